@@ -1,0 +1,79 @@
+"""The user's choices for one conversion, validated once: level, dtype, overrides, rules.
+
+Levels follow Apex and MindSpore; keyword overrides win over the level's defaults:
+    O0  no change, no cast            O1  the op policy (allow/infer/deny/clear painting)
+    O2  all low except norms/losses, dynamic loss scaling          O3  all low, no loss scaling
+    auto  O1 with fp16 where CUDA is usable, O1 with bf16 on CPU
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from passes.rules import LEVELS, PrecisionRules
+
+LOW_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+RULE_KEYS = ("allow_ops", "deny_ops", "infer_ops", "clear_ops", "force_fp32", "force_low")
+OVERRIDE_KEYS = ("keep_batchnorm_fp32", "cast_model_type", "dtype", "loss_scale_manager", "keep_io_types",
+                 *RULE_KEYS)
+
+
+@dataclass
+class AmpConfig:
+    level: str                      # O0..O3 after resolving "auto"
+    requested_level: str            # what the user asked for ("auto" stays visible in the report)
+    low_dtype: torch.dtype
+    keep_norm_fp32: bool
+    keep_io_types: bool
+    loss_scale_manager: Any
+    rule_options: dict = field(default_factory=dict)
+
+    @property
+    def low_dtype_name(self) -> str:
+        return str(self.low_dtype).removeprefix("torch.")
+
+    def precision_rules(self) -> PrecisionRules:
+        return PrecisionRules.build(self.level, self.low_dtype_name, keep_norm_fp32=self.keep_norm_fp32,
+                                    **self.rule_options)
+
+
+def resolve_dtype(value) -> torch.dtype:
+    if isinstance(value, torch.dtype) and value in (torch.float16, torch.bfloat16):
+        return value
+    if isinstance(value, str) and value.lower() in LOW_DTYPES:
+        return LOW_DTYPES[value.lower()]
+    raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 (or one of {sorted(LOW_DTYPES)}), "
+                     f"got {value!r}")
+
+
+def make_config(level: str = "O1", **overrides) -> AmpConfig:
+    unknown = sorted(set(overrides) - set(OVERRIDE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}; valid options: {', '.join(OVERRIDE_KEYS)}")
+    if not isinstance(level, str) or level not in (*LEVELS, "auto"):
+        raise ValueError(f"level must be one of {', '.join(LEVELS)}, 'auto'; got {level!r}")
+    requested = level
+    dtype_given = overrides.get("dtype", overrides.get("cast_model_type"))
+    if "dtype" in overrides and "cast_model_type" in overrides and \
+            resolve_dtype(overrides["dtype"]) != resolve_dtype(overrides["cast_model_type"]):
+        raise ValueError("dtype and cast_model_type disagree: give one of them")
+    if level == "auto":
+        level = "O1"
+        if dtype_given is None:
+            dtype_given = torch.float16 if torch.cuda.is_available() else torch.bfloat16
+    low = resolve_dtype(dtype_given if dtype_given is not None else torch.float16)
+    keep_bn = overrides.get("keep_batchnorm_fp32")
+    if keep_bn is not None and not isinstance(keep_bn, bool):
+        raise ValueError(f"keep_batchnorm_fp32 must be True, False or None, got {keep_bn!r}")
+    keep_io = overrides.get("keep_io_types", True)
+    if not isinstance(keep_io, bool):
+        raise ValueError(f"keep_io_types must be True or False, got {keep_io!r}")
+    config = AmpConfig(level=level, requested_level=requested, low_dtype=low,
+                       keep_norm_fp32=keep_bn if keep_bn is not None else level != "O3",
+                       keep_io_types=keep_io, loss_scale_manager=overrides.get("loss_scale_manager"),
+                       rule_options={k: overrides[k] for k in RULE_KEYS if k in overrides})
+    config.precision_rules()  # validate user rules now, before any tracing
+    return config

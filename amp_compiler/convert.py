@@ -1,0 +1,62 @@
+"""convert(): the whole compiler as one readable pipeline.
+
+    trace -> canonicalize -> infer_dtypes -> decide_fx_precision -> lower_leaf_modules
+          -> infer_dtypes -> insert_casts -> fold_casts -> GraphModule (+ gm.meta["amp"] summary)
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from amp_compiler.config import AmpConfig, make_config
+from amp_compiler.frontend import trace
+from passes.canonicalize import canonicalize
+from passes.decide_fx_precision import decide_fx_precision
+from passes.fold_casts import count_casts, fold_casts
+from passes.infer_dtypes import infer_dtypes
+from passes.insert_casts import insert_casts, output_value_nodes
+from passes.lower_leaf_modules import lower_leaf_modules
+
+
+def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None = None,
+            **overrides) -> fx.GraphModule:
+    """Trace `model` and return a GraphModule whose every node runs in the precision the rules pick.
+
+    The result shares the model's parameters and buffers (an optimizer on model.parameters() trains it)
+    and never changes the model. `amp_compiler.explain(gm)` tells why each node got its dtype.
+    """
+    config = make_config(level, **overrides)
+    traced = trace(model, example_inputs)
+    gm = traced.graph_module
+    counts = run_pipeline(gm, config, example_inputs)
+    gm.meta["amp"] = {
+        "level": config.level, "requested_level": config.requested_level,
+        "dtype": config.low_dtype_name, "frontend": traced.frontend, "leaf_modules": traced.leaves,
+        "notes": traced.notes, "keep_io_types": config.keep_io_types, "casts": count_casts(gm),
+        "pass_counts": counts, "loss_scale_manager": config.loss_scale_manager,
+    }
+    return gm
+
+
+def run_pipeline(gm: fx.GraphModule, config: AmpConfig, example_inputs=None) -> dict[str, int]:
+    """Run the passes in order on `gm` (in place); returns what each pass counted."""
+    low = config.low_dtype
+    canonicalize(gm)
+    infer_dtypes(gm, example_inputs, low)               # original dtypes: what is float, what we return
+    original_outputs = [n.meta["amp"]["dtype"] for n in output_value_nodes(gm)]
+    if config.level == "O0":
+        for node in gm.graph.nodes:
+            node.meta["amp"].update({"class": "-", "family": "-", "precision": None, "rule": "O0: unchanged"})
+        return {}
+    counts: dict[str, int] = {}
+    steps = (
+        lambda: decide_fx_precision(gm, config.precision_rules()),  # paint low/fp32 on every float node
+        lambda: lower_leaf_modules(gm, low),       # low leaves read their params via get_attr: castable
+        lambda: infer_dtypes(gm, example_inputs, low),  # re-run: dtypes the painted graph computes in
+        lambda: insert_casts(gm, low, original_outputs, config.keep_io_types),
+        lambda: fold_casts(gm),                     # last: cleans up whatever the inserts left
+    )
+    for step in steps:
+        counts.update(step().counts)
+    return counts

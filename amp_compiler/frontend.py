@@ -1,0 +1,155 @@
+"""Front end: turn a user's nn.Module into an fx GraphModule the passes can rewrite.
+
+    model --fx symbolic trace (into composite modules)--> GraphModule
+          --on failure, with example_inputs: torch.export--> GraphModule of ATen ops
+Leaves are only modules whose precision is decided as one unit (Linear, ConvNd, norms, Embedding,
+RNNs, Dropout for its train/eval flag). The GraphModule shares the model's parameters and buffers
+through a shallow copy of the module tree, so train()/eval() on it never flips the user's modules and
+state_dict() keys are the original's.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from passes.canonicalize import LEAF_MODULE_TYPES
+
+
+class TracingError(RuntimeError):
+    """Neither torch.fx nor torch.export could capture the model."""
+
+
+@dataclass
+class TracedModel:
+    graph_module: fx.GraphModule
+    frontend: str                       # "fx.symbolic_trace" | "torch.export"
+    leaves: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class AmpTracer(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, LEAF_MODULE_TYPES)
+
+
+def share_module_tree(module: nn.Module) -> nn.Module:
+    """A copy of the module tree whose parameters and buffers are the original's tensors."""
+    clone = copy.copy(module)
+    clone.__dict__ = dict(module.__dict__)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    clone._modules = {name: share_module_tree(child) if child is not None else None
+                      for name, child in module._modules.items()}
+    return clone
+
+
+def graph_module_on(root: nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
+    """A GraphModule that holds `root`'s own submodules, parameters and buffers (all of them)."""
+    gm = fx.GraphModule(root, graph, class_name=class_name)
+    for name, child in root._modules.items():
+        gm._modules[name] = child
+    for name, param in root._parameters.items():
+        gm._parameters[name] = param
+    for name, buffer in root._buffers.items():
+        gm._buffers[name] = buffer
+        if name in root._non_persistent_buffers_set:
+            gm._non_persistent_buffers_set.add(name)
+    gm.train(root.training)
+    return gm
+
+
+def trace(model: nn.Module, example_inputs=None) -> TracedModel:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert() needs a torch.nn.Module, got {type(model).__name__}")
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
+                        f"got {type(example_inputs).__name__}")
+    root = share_module_tree(model)
+    tracer = AmpTracer()
+    try:
+        graph = tracer.trace(root)
+    except Exception as fx_error:  # noqa: BLE001 - any fx failure means: try the next front end
+        return _export_fallback(model, root, example_inputs, fx_error)
+    gm = graph_module_on(root, graph, type(model).__name__ + "Amp")
+    leaves = sorted({n.target for n in graph.nodes if n.op == "call_module"})
+    return TracedModel(gm, "fx.symbolic_trace", leaves)
+
+
+def _export_fallback(model, root, example_inputs, fx_error) -> TracedModel:
+    where = _user_frame(fx_error)
+    if example_inputs is None:
+        raise TracingError(
+            f"torch.fx could not trace {type(model).__name__}: {type(fx_error).__name__}: {fx_error}"
+            f"{where}. This is usually Python control flow on tensor shapes or values. Pass "
+            "example_inputs=(x, ...) so convert() can fall back to torch.export, or rewrite that "
+            "branch with torch.where / torch.cond.") from fx_error
+    try:
+        exported = torch.export.export(root, example_inputs, strict=False)
+    except Exception as export_error:  # noqa: BLE001
+        raise TracingError(
+            f"neither torch.fx nor torch.export could capture {type(model).__name__}.\n"
+            f"  torch.fx: {type(fx_error).__name__}: {fx_error}{where}\n"
+            f"  torch.export: {type(export_error).__name__}: {str(export_error).splitlines()[0]}"
+            f"{_user_frame(export_error)}\n"
+            "Make the branch data-independent (torch.where / torch.cond) or convert the submodules "
+            "that trace on their own.") from export_error
+    unlifted = exported.module()
+    graph = fx.Graph()
+    values: dict = {}
+    for node in unlifted.graph.nodes:
+        if node.op == "call_module" and node.target == "_guards_fn":
+            continue
+        if node.op == "output":
+            graph.output(fx.node.map_arg(node.args[0], lambda n: values[n]))
+            continue
+        values[node] = graph.node_copy(node, lambda n: values[n])
+    for node in graph.nodes:  # constants torch.export lifted out of the code live on `unlifted`
+        if node.op == "get_attr" and not _has_attr(root, node.target):
+            _set_attr(root, node.target, _get_attr(unlifted, node.target))
+    gm = graph_module_on(root, graph, type(model).__name__ + "Amp")
+    notes = ["torch.fx could not trace the model (" + f"{type(fx_error).__name__}: {fx_error}"[:160] +
+             "); captured with torch.export: train/eval flags of dropout and batch norm are those of "
+             "export time"]
+    return TracedModel(gm, "torch.export", [], notes)
+
+
+def _user_frame(error: BaseException) -> str:
+    """' (at file:line: code)' for the deepest frame outside torch, the construct that broke tracing."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(torch_dir)]
+    if not frames:
+        frames = traceback.extract_tb(error.__traceback__)[-1:]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" (at {frame.filename}:{frame.lineno}: {frame.line})"
+
+
+def _get_attr(module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _has_attr(module, target: str) -> bool:
+    try:
+        _get_attr(module, target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _set_attr(module, target: str, value) -> None:
+    *path, name = target.split(".")
+    for part in path:
+        module = getattr(module, part)
+    if isinstance(value, nn.Parameter) or not isinstance(value, torch.Tensor):
+        setattr(module, name, value)
+    else:
+        module.register_buffer(name, value, persistent=False)

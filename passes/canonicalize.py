@@ -1,0 +1,93 @@
+"""Name every fx node's target with one canonical op, so one policy table serves every graph flavour.
+
+    call_module Linear | F.linear | Tensor.__matmul__ | aten.linear.default   ->  meta["amp"]["op"] = "linear"
+
+Works on symbolic-trace graphs (nn modules, torch functions, Tensor methods, operators) and on
+torch.export graphs (ATen overloads). Writes node.meta["amp"]["op"]; changes nothing else.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from passes.pass_result import PassResult
+
+# Leaf module classes, most specific first (isinstance order matters for subclasses).
+MODULE_OPS: tuple[tuple[type, str], ...] = (
+    (nn.Linear, "linear"), (nn.Bilinear, "bilinear"),
+    (nn.Conv1d, "conv1d"), (nn.Conv2d, "conv2d"), (nn.Conv3d, "conv3d"),
+    (nn.ConvTranspose1d, "conv_transpose1d"), (nn.ConvTranspose2d, "conv_transpose2d"),
+    (nn.ConvTranspose3d, "conv_transpose3d"),
+    (nn.modules.batchnorm._BatchNorm, "batch_norm"), (nn.LayerNorm, "layer_norm"),
+    (nn.GroupNorm, "group_norm"), (nn.modules.instancenorm._InstanceNorm, "instance_norm"),
+    (nn.RMSNorm, "rms_norm"), (nn.LocalResponseNorm, "local_response_norm"),
+    (nn.Embedding, "embedding"), (nn.EmbeddingBag, "embedding_bag"),
+    (nn.LSTM, "lstm"), (nn.GRU, "gru"), (nn.RNN, "rnn"),
+    (nn.LSTMCell, "lstm_cell"), (nn.GRUCell, "gru_cell"), (nn.RNNCell, "rnn_tanh_cell"),
+    (nn.modules.dropout._DropoutNd, "dropout"), (nn.PReLU, "prelu"), (nn.Identity, "identity"),
+)
+LEAF_MODULE_TYPES = tuple(cls for cls, _ in MODULE_OPS)
+
+# Spellings that mean the same op.
+ALIASES = {
+    "truediv": "div", "divide": "div", "multiply": "mul", "subtract": "sub", "iadd": "add", "imul": "mul",
+    "isub": "sub", "itruediv": "div", "radd": "add", "rmul": "mul", "matrix_multiply": "matmul",
+    "native_layer_norm": "layer_norm", "native_batch_norm": "batch_norm",
+    "native_batch_norm_legit": "batch_norm", "native_batch_norm_legit_functional": "batch_norm",
+    "native_batch_norm_legit_no_training": "batch_norm", "native_group_norm": "group_norm",
+    "log_softmax_backward_data": "log_softmax", "safe_softmax": "softmax", "native_dropout": "dropout",
+    "unsafe_view": "view", "to_copy": "to", "sym_size_int": "sym_size", "concat": "cat",
+    "upsample_nearest2d_vec": "upsample_nearest2d", "upsample_bilinear2d_vec": "upsample_bilinear2d",
+    "neg_": "neg", "pos": "identity", "contiguous_format": "contiguous", "clamp_": "clamp",
+    "scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
+    "getitem": "getitem", "adaptive_avg_pool2d": "adaptive_avg_pool2d", "mean_dim": "mean",
+    "relu_": "relu", "gelu_": "gelu", "add_": "add", "mul_": "mul", "div_": "div", "sub_": "sub",
+    "copy": "clone", "lift_fresh_copy": "clone", "expand_copy": "expand", "view_copy": "view",
+    "permute_copy": "permute", "transpose_copy": "transpose", "slice_copy": "slice",
+    "select_copy": "select", "squeeze_copy": "squeeze", "unsqueeze_copy": "unsqueeze",
+    "t_copy": "t", "split_with_sizes": "split", "new_zeros": "zeros_like", "new_ones": "ones_like",
+    "new_full": "full_like", "new_empty": "empty_like", "fill": "full_like", "scatter_add_": "scatter_add",
+    "index_add_": "index_add", "masked_fill_": "masked_fill", "dropout_": "dropout",
+}
+
+
+def _strip(name: str) -> str:
+    name = name.lstrip("_")
+    return ALIASES.get(name, name)
+
+
+def canonical_op(node: fx.Node, root: nn.Module) -> str:
+    """The canonical op name of one node ('placeholder', 'get_attr', 'output' for the graph's edges)."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return node.op
+    target = node.target
+    if node.op == "call_module":
+        module = root.get_submodule(target)
+        for cls, name in MODULE_OPS:
+            if isinstance(module, cls):
+                return name
+        return "module:" + type(module).__name__
+    if node.op == "call_method":
+        return _strip(target)
+    if isinstance(target, torch._ops.OpOverload):
+        return _strip(target.overloadpacket.__name__)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return _strip(target.__name__)
+    if target is getattr:
+        return "getattr"
+    if target is operator.getitem:
+        return "getitem"
+    if target is operator.matmul:
+        return "matmul"
+    name = getattr(target, "__name__", None) or str(target)
+    return _strip(name)
+
+
+def canonicalize(gm: fx.GraphModule) -> PassResult:
+    """Record meta["amp"]["op"] on every node."""
+    for node in gm.graph.nodes:
+        node.meta.setdefault("amp", {})["op"] = canonical_op(node, gm)
+    return PassResult(gm, modified=False)

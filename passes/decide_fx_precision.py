@@ -1,0 +1,71 @@
+"""Decide a precision for every fx node: classify by the rules, paint on a format-neutral view, record.
+
+    node.meta["amp"] += {class, family, reason, module, precision: "low"|"fp32"|None, rule}
+
+Only nodes that compute on fp32/fp16/bf16 values are painted; the rest keep precision None and are
+never cast (integers, bools, fp64, shapes). Reads meta["amp"]["op"] (canonicalize) and ["dtype"]
+(infer_dtypes, original dtypes).
+"""
+from __future__ import annotations
+
+import networkx as nx
+import torch.fx as fx
+
+from passes.infer_dtypes import is_float
+from passes.paint_precision import PAINTABLE, paint_precision
+from passes.pass_result import PassResult
+from passes.rules import PrecisionRules
+
+
+def module_path(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return node.target
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # torch.export writes "L['self'].encoder.layer" style paths; keep the attribute path.
+    return path.replace("L['self'].", "").replace("L['self']", "")
+
+
+def _computes_on_floats(node: fx.Node) -> bool:
+    return any(is_float(a.meta["amp"].get("dtype")) for a in node.all_input_nodes) or \
+        is_float(node.meta["amp"].get("dtype"))
+
+
+def build_view(gm: fx.GraphModule, rules: PrecisionRules) -> nx.DiGraph:
+    view = nx.DiGraph()
+    for node in gm.graph.nodes:
+        amp = node.meta["amp"]
+        amp["module"] = module_path(node)
+        if node.op in ("placeholder", "get_attr", "output"):
+            amp.update({"class": "io", "family": "io", "reason": "graph input/output/parameter"})
+            continue
+        klass, family, reason = rules.classify(amp["op"])
+        amp.update({"class": klass, "family": family, "reason": reason})
+        if klass in PAINTABLE and not _computes_on_floats(node):
+            amp["class"], amp["reason"] = "ignore", "no fp32/fp16/bf16 operand (int, bool or fp64): untouched"
+        if amp["class"] == "ignore":
+            continue
+        view.add_node(node.name, cls=amp["class"], reason=amp["reason"],
+                      forced=rules.forced(amp["module"], node.name))
+    for node in gm.graph.nodes:
+        for user in node.users:
+            if node.name in view and user.name in view:
+                view.add_edge(node.name, user.name)
+    return view
+
+
+def decide_fx_precision(gm: fx.GraphModule, rules: PrecisionRules) -> PassResult:
+    view = build_view(gm, rules)
+    rules.check_all_patterns_matched()
+    counts = paint_precision(view, bf16=rules.low_dtype == "bfloat16")
+    for node in gm.graph.nodes:
+        amp = node.meta["amp"]
+        if node.name in view:
+            amp["precision"] = view.nodes[node.name]["precision"]
+            amp["rule"] = view.nodes[node.name]["rule"]
+        else:
+            amp["precision"] = None
+            amp["rule"] = amp["reason"]
+    return PassResult(gm, modified=False, counts=counts)

@@ -1,0 +1,107 @@
+"""Static dtype propagation on an fx graph: which values are floating tensors, and of which dtype.
+
+    meta["amp"]["dtype"] = torch.float32 | torch.float16 | torch.int64 | ... | None (not a tensor / unknown)
+
+Before painting it records the dtypes the original model computes in (what painting may change and what
+keep_io_types restores); after painting it records what the rewritten graph will compute in, which is
+what cast insertion reads. Placeholders take the dtype of `example_inputs` when given, else fp32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from passes.pass_result import PassResult
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPE_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+METHOD_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
+                 "double": torch.float64, "long": torch.int64, "int": torch.int32, "bool": torch.bool}
+_PROMOTION_ORDER = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def is_float(dtype) -> bool:
+    """Castable by AMP: fp32/fp16/bf16. fp64, integers and bools are never cast."""
+    return dtype in FLOAT_DTYPES
+
+
+def _promote(dtypes) -> torch.dtype | None:
+    floats = [d for d in dtypes if d in _PROMOTION_ORDER]
+    if not floats:
+        return None
+    if torch.float16 in floats and torch.bfloat16 in floats:
+        floats.append(torch.float32)
+    return max(floats, key=_PROMOTION_ORDER.index)
+
+
+def _explicit_dtype(node: fx.Node, dtypes: dict) -> torch.dtype | None:
+    if node.op == "call_method" and node.target in METHOD_DTYPES:
+        return METHOD_DTYPES[node.target]
+    for value in (*node.args, *node.kwargs.values()):
+        if isinstance(value, torch.dtype):
+            return value
+    if node.target == "type_as" and len(node.args) > 1:
+        return dtypes.get(node.args[1])
+    return None
+
+
+def _module_param_dtype(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None:
+    if node.op != "call_module":
+        return None
+    return _promote(p.dtype for p in gm.get_submodule(node.target).parameters(recurse=False))
+
+
+def _call_dtype(gm: fx.GraphModule, node: fx.Node, dtypes: dict, low: torch.dtype) -> torch.dtype | None:
+    amp = node.meta.get("amp", {})
+    inputs = [dtypes.get(a) for a in node.all_input_nodes]
+    family, cls = amp.get("family"), amp.get("class")
+    if cls == "ignore":
+        if family == "user_cast":
+            explicit = _explicit_dtype(node, dtypes)
+            return explicit if explicit is not None else _promote(inputs)
+        if family == "factory":
+            return _explicit_dtype(node, dtypes) or torch.get_default_dtype()
+        if family == "embedding":
+            return _module_param_dtype(gm, node) or (inputs[1] if len(inputs) > 1 else None)
+        return None
+    precision = amp.get("precision")
+    if precision == "low":
+        return low
+    if precision == "fp32":
+        return torch.float32
+    # Unpainted: the op computes in the promoted dtype of its float inputs (and its own parameters).
+    explicit = _explicit_dtype(node, dtypes)
+    if explicit is not None and explicit.is_floating_point:
+        return explicit
+    return _promote([*inputs, _module_param_dtype(gm, node)])
+
+
+def infer_dtypes(gm: fx.GraphModule, example_inputs=None, low: torch.dtype = torch.float16) -> PassResult:
+    """Write meta["amp"]["dtype"] on every node, in topological order."""
+    dtypes: dict[fx.Node, torch.dtype | None] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    given = dict(zip(placeholders, example_inputs)) if example_inputs is not None else {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = given.get(node, None)
+            if node in given:
+                dtype = value.dtype if isinstance(value, torch.Tensor) else None
+            else:
+                dtype = torch.float32 if not node.name.startswith("_") else None
+        elif node.op == "get_attr":
+            value = _fetch_attr(gm, node.target)
+            dtype = value.dtype if isinstance(value, torch.Tensor) else None
+        elif node.op == "output":
+            dtype = None
+        else:
+            dtype = _call_dtype(gm, node, dtypes, low)
+        dtypes[node] = dtype
+        node.meta.setdefault("amp", {})["dtype"] = dtype
+    return PassResult(gm, modified=False)
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str):
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value

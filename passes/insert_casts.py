@@ -1,0 +1,92 @@
+"""Insert the casts that painting implies, one per (value, dtype), shared by every consumer.
+
+    y = linear(x, w)               ->   x_f16 = amp_cast(x, float16); w_f16 = amp_cast(w, float16)
+                                        y = linear(x_f16, w_f16)
+Each painted node gets its float operands in its own precision; with keep_io_types the graph's outputs
+get back the dtype the original model returned. Reads meta["amp"]["dtype"] (infer_dtypes after
+painting) and ["precision"]; new cast nodes carry meta["amp_role"] = "cast".
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from passes.infer_dtypes import is_float
+from passes.pass_result import PassResult
+
+
+@torch.fx.wrap
+def amp_cast(value, dtype: torch.dtype):
+    """Cast fp32/fp16/bf16 tensors (also inside tuples/lists) to `dtype`; anything else passes through."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype != dtype and value.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            return value.to(dtype)
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(amp_cast(v, dtype) for v in value)
+    return value
+
+
+def is_cast(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is amp_cast
+
+
+def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, why: str) -> fx.Node:
+    cast = graph.call_function(amp_cast, (value, dtype))
+    cast.meta["amp_role"] = "cast"
+    cast.meta["amp"] = {"op": "cast", "class": "cast", "precision": None, "dtype": dtype,
+                        "module": value.meta.get("amp", {}).get("module", ""), "rule": why}
+    cast.name = f"{value.name}_{str(dtype).removeprefix('torch.')}"
+    return cast
+
+
+def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: list,
+                 keep_io_types: bool = True) -> PassResult:
+    graph = gm.graph
+    shared: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+    inserted = 0
+
+    def cast_of(value: fx.Node, dtype: torch.dtype, consumer: fx.Node) -> fx.Node:
+        nonlocal inserted
+        key = (value, dtype)
+        if key not in shared:
+            with graph.inserting_after(value):
+                why = f"boundary: {value.name} ({_short(value.meta['amp']['dtype'])}) read as {_short(dtype)}"
+                shared[key] = make_cast(graph, value, dtype, why)
+            inserted += 1
+        return shared[key]
+
+    for node in list(graph.nodes):
+        precision = node.meta.get("amp", {}).get("precision")
+        if precision is None:
+            continue
+        want = low if precision == "low" else torch.float32
+        for value in list(node.all_input_nodes):
+            have = value.meta.get("amp", {}).get("dtype")
+            if is_float(have) and have != want:
+                node.replace_input_with(value, cast_of(value, want, node))
+
+    if keep_io_types:
+        output = next(n for n in graph.nodes if n.op == "output")
+        outputs = _flat_output_nodes(output)
+        for value, original in zip(outputs, original_output_dtypes):
+            have = value.meta.get("amp", {}).get("dtype")
+            if is_float(have) and is_float(original) and have != original:
+                output.replace_input_with(value, cast_of(value, original, output))
+    graph.lint()
+    gm.recompile()
+    return PassResult(gm, modified=inserted > 0, counts={"casts_inserted": inserted})
+
+
+def output_value_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return _flat_output_nodes(next(n for n in gm.graph.nodes if n.op == "output"))
+
+
+def _flat_output_nodes(output: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(output.args, lambda n: found.append(n) if n not in found else None)
+    return found
+
+
+def _short(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
