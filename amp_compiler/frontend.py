@@ -105,24 +105,68 @@ def _export_fallback(model, root, example_inputs, fx_error) -> TracedModel:
     for node in unlifted.graph.nodes:
         if node.op == "call_module" and node.target == "_guards_fn":
             continue
-        if node.op == "output":
-            graph.output(fx.node.map_arg(node.args[0], lambda n: values[n]))
+        if node.op == "output":  # restore the model's own output structure (export flattens it)
+            flat = list(fx.node.map_arg(node.args[0], lambda n: values[n]))
+            graph.output(torch.utils._pytree.tree_unflatten(flat, unlifted._out_spec))
             continue
         values[node] = graph.node_copy(node, lambda n: values[n])
     for node in graph.nodes:  # constants torch.export lifted out of the code live on `unlifted`
         if node.op == "get_attr" and not _has_attr(root, node.target):
             _set_attr(root, node.target, _get_attr(unlifted, node.target))
+    live = _make_training_flags_live(root, graph)
     gm = graph_module_on(root, graph, type(model).__name__ + "Amp")
     notes = ["torch.fx could not trace the model (" + f"{type(fx_error).__name__}: {fx_error}"[:160] +
-             "); captured with torch.export: train/eval flags of dropout and batch norm are those of "
-             "export time"]
+             f"); captured with torch.export ({live} dropout/batch-norm train flags follow train()/eval())"]
     return TracedModel(gm, "torch.export", [], notes)
 
 
+class TrainingFlag(nn.Module):
+    """Returns its own `training` flag, so an exported graph follows train()/eval() like the model."""
+
+    def forward(self) -> bool:
+        return self.training
+
+
+def dropout_p_when_training(p: float, training: bool) -> float:
+    return p if training else 0.0
+
+
+# ATen ops whose train flag torch.export bakes in as a constant: op -> argument index. For attention,
+# the baked value is dropout_p (nn.MultiheadAttention passes 0.0 in eval mode).
+_TRAIN_ARGS = {torch.ops.aten.dropout.default: 2, torch.ops.aten.batch_norm.default: 5,
+               torch.ops.aten.feature_dropout.default: 2, torch.ops.aten.alpha_dropout.default: 2}
+_DROPOUT_P_ARGS = {torch.ops.aten.scaled_dot_product_attention.default: 4}
+
+
+def _make_training_flags_live(root: nn.Module, graph: fx.Graph) -> int:
+    users = [n for n in graph.nodes if n.op == "call_function" and (
+        n.target in _TRAIN_ARGS or len(n.args) > _DROPOUT_P_ARGS.get(n.target, 99))]
+    if not users:
+        return 0
+    root.add_module("amp_training_flag", TrainingFlag())
+    with graph.inserting_before(users[0]):
+        flag = graph.call_module("amp_training_flag")
+    for node in users:
+        args = list(node.args)
+        if node.target in _TRAIN_ARGS:
+            args[_TRAIN_ARGS[node.target]] = flag
+        else:
+            index = _DROPOUT_P_ARGS[node.target]
+            with graph.inserting_before(node):
+                args[index] = graph.call_function(dropout_p_when_training, (args[index], flag))
+        node.args = tuple(args)
+    return len(users)
+
+
 def _user_frame(error: BaseException) -> str:
-    """' (at file:line: code)' for the deepest frame outside torch, the construct that broke tracing."""
+    """' (at file:line: code)': the deepest frame of model code (the user's or torch.nn's), the construct
+    that broke tracing; tracer internals and this package are skipped."""
     torch_dir = os.path.dirname(torch.__file__)
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(torch_dir)]
+    internals = tuple(os.path.join(torch_dir, d) for d in ("fx", "_", "export", "utils", "overrides.py",
+                                                           "_tensor.py", "_ops.py"))
+    own_dir = os.path.dirname(os.path.abspath(__file__))
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(internals) and not f.filename.startswith(own_dir)]
     if not frames:
         frames = traceback.extract_tb(error.__traceback__)[-1:]
     if not frames:
