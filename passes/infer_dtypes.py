@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from passes.op_policy import POLICY
 from passes.pass_result import PassResult
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -54,7 +55,9 @@ def _module_param_dtype(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None
 def _call_dtype(gm: fx.GraphModule, node: fx.Node, dtypes: dict, low: torch.dtype) -> torch.dtype | None:
     amp = node.meta.get("amp", {})
     inputs = [dtypes.get(a) for a in node.all_input_nodes]
-    family, cls = amp.get("family"), amp.get("class")
+    base = POLICY.get(amp.get("op"))  # before painting only the table knows which ops are non-float
+    family = amp.get("family", base.family if base else None)
+    cls = amp.get("class", base.cls if base else None)
     if cls == "ignore":
         if family == "user_cast":
             explicit = _explicit_dtype(node, dtypes)

@@ -1,0 +1,88 @@
+"""The `amp-compiler` command: demo, export, convert-onnx.
+
+    amp-compiler demo [--model bert] [--dtype float16|bfloat16] [--steps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _import_zoo():
+    """The model zoo lives in the repository (models/), not in the installed package."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        if (root / "models" / "__init__.py").exists():
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
+            import models
+            return models
+    raise SystemExit("amp-compiler demo needs the model zoo: run it from the amp-compiler repository "
+                     "(the folder that holds models/)")
+
+
+def run_demo(args) -> int:
+    import amp_compiler
+
+    zoo = _import_zoo()
+    task = zoo.build(args.model, size="small", seed=0)
+    dtype = amp_compiler.config.resolve_dtype(args.dtype)
+    print(f"== convert {args.model} at O1, {args.dtype} ==", flush=True)
+    gm = amp_compiler.convert(task.model, "O1", dtype=dtype, example_inputs=task.example_inputs)
+    report = amp_compiler.explain(gm)
+    print(report)
+    task.model.eval()
+    gm.eval()
+    with torch.no_grad():
+        reference = task.model(*task.example_inputs).float()
+        converted = gm(*task.example_inputs).float()
+    error = (converted - reference).abs().max().item()
+    scale = reference.abs().max().item()
+    print(f"casts inserted: {report.totals['casts']}; max |mixed - fp32| = {error:.3g} "
+          f"(output magnitude {scale:.3g}, relative {error / max(scale, 1e-12):.2%})")
+    train = getattr(amp_compiler, "train", None)
+    if train is not None and hasattr(train, "demo_training") and args.steps > 0:
+        print(f"== train {args.model} at O2, {args.dtype}, {args.steps} steps ==", flush=True)
+        task = zoo.build(args.model, size="small", seed=0)
+        rows = train.demo_training(task, steps=args.steps, level="O2", dtype=dtype)
+        skipped = 0
+        for step, loss, scale, overflow in rows:
+            skipped += bool(overflow)
+            print(f"step {step:3d}  loss {loss:.4f}  loss scale {scale:g}  {'skipped (overflow)' if overflow else ''}",
+                  flush=True)
+        print(f"skipped steps: {skipped}/{len(rows)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="amp-compiler", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="convert a zoo model at O1, print the report, compare with fp32, train at O2")
+    demo.add_argument("--model", default="bert", help="zoo model: mlp, resnet, bert, gpt, gcn, gat")
+    demo.add_argument("--dtype", default="bfloat16" if not torch.cuda.is_available() else "float16",
+                      help="low precision dtype (default: bfloat16 on CPU, float16 with CUDA)")
+    demo.add_argument("--steps", type=int, default=5, help="training steps at O2 (0 to skip)")
+    demo.set_defaults(func=run_demo)
+    try:
+        from amp_compiler import onnx_cli
+    except ImportError:
+        onnx_cli = None
+    if onnx_cli is not None:
+        onnx_cli.add_export_parser(sub)
+        onnx_cli.add_convert_onnx_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as error:
+        print(f"amp-compiler: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
