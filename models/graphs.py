@@ -34,8 +34,8 @@ CONFIGS = {
         num_features=1433,
         mean_within_class_degree=3.1,
         mean_cross_class_degree=0.8,
-        background_word_prob=0.005,
-        topic_word_prob=0.05,
+        background_word_prob=0.008,
+        topic_word_prob=0.03,
         train_nodes_per_class=20,
     ),
     "small": CitationGraphConfig(
@@ -71,9 +71,11 @@ def synthetic_citation_graph(size: str = "small", seed: int = 0) -> CitationGrap
     config = CONFIGS[size]
     num_classes = len(config.class_sizes)
     num_nodes = sum(config.class_sizes)
-    mean_class_size = num_nodes / num_classes
-    within_prob = config.mean_within_class_degree / (mean_class_size - 1)
-    cross_prob = config.mean_cross_class_degree / (num_nodes - mean_class_size)
+    # Edge probabilities that give the configured mean degrees over all nodes.
+    within_pairs_per_node = sum(n * (n - 1) for n in config.class_sizes) / num_nodes
+    cross_pairs_per_node = sum(n * (num_nodes - n) for n in config.class_sizes) / num_nodes
+    within_prob = config.mean_within_class_degree / within_pairs_per_node
+    cross_prob = config.mean_cross_class_degree / cross_pairs_per_node
     block_probs = [[within_prob if i == j else cross_prob for j in range(num_classes)] for i in range(num_classes)]
     graph = nx.stochastic_block_model(list(config.class_sizes), block_probs, seed=seed, sparse=True)
 

@@ -17,12 +17,14 @@ class MLPConfig:
     num_classes: int
     batch_size: int
     dropout: float = 0.1
-    centre_scale: float = 0.5  # larger = better separated clusters
+    centre_scale: float = 0.5  # larger = better separated clusters; ~3/sqrt(in_features) keeps it non-trivial
 
 
 CONFIGS = {
     "small": MLPConfig(in_features=32, hidden_features=64, num_hidden_layers=2, num_classes=4, batch_size=64),
-    "full": MLPConfig(in_features=512, hidden_features=1024, num_hidden_layers=3, num_classes=10, batch_size=256),
+    "full": MLPConfig(
+        in_features=512, hidden_features=1024, num_hidden_layers=3, num_classes=10, batch_size=256, centre_scale=0.15
+    ),
 }
 
 

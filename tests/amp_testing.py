@@ -1,0 +1,79 @@
+"""Shared test helpers: tolerances, runtime dtype recording, graph queries."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from passes.insert_casts import is_cast
+
+# Error allowed relative to the reference output's magnitude: fp16 keeps 11 bits, bf16 8.
+RELATIVE_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-6}
+
+
+def assert_close_to_fp32(output: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> float:
+    output, reference = output.detach().float(), reference.detach().float()
+    assert output.shape == reference.shape
+    assert torch.isfinite(output).all(), "non-finite values in the converted model's output"
+    error = (output - reference).abs().max().item()
+    scale = max(reference.abs().max().item(), 1e-3)
+    assert error <= RELATIVE_TOLERANCE[dtype] * scale, f"max error {error:.3g} vs output scale {scale:.3g}"
+    return error / scale
+
+
+class AtenDtypeRecorder(TorchDispatchMode):
+    """Records, for every ATen op that runs, the dtypes of its floating tensor inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, list[tuple]] = defaultdict(list)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+        dtypes = tuple(a.dtype for a in flat if isinstance(a, torch.Tensor) and a.is_floating_point())
+        self.calls[func.overloadpacket.__name__].append(dtypes)
+        return func(*args, **kwargs)
+
+    def input_dtypes(self, *op_names: str) -> set:
+        return {d for name in op_names for dtypes in self.calls.get(name, []) for d in dtypes}
+
+
+def cast_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if is_cast(n)]
+
+
+def precision_by_op(gm: fx.GraphModule) -> dict[str, set]:
+    """canonical op -> set of precisions it was painted with."""
+    found: dict[str, set] = defaultdict(set)
+    for node in gm.graph.nodes:
+        amp = node.meta.get("amp", {})
+        if amp.get("precision") is not None:
+            found[amp["op"]].add(amp["precision"])
+    return found
+
+
+def assert_cast_invariants(gm: fx.GraphModule) -> None:
+    """No cast chains, at most one cast per (value, dtype), no cast to the dtype a value already has."""
+    gm.graph.lint()
+    seen = set()
+    for cast in cast_nodes(gm):
+        source, dtype = cast.args
+        assert not is_cast(source), f"cast chain at {cast.name}"
+        assert (source, dtype) not in seen, f"duplicate cast of {source.name} to {dtype}"
+        seen.add((source, dtype))
+        assert source.meta["amp"].get("dtype") != dtype, f"{cast.name} casts to the dtype {source.name} has"
+        assert cast.users, f"dead cast {cast.name}"
+
+
+class WithLoss(torch.nn.Module):
+    """A model and its loss as one module, so the loss op is in the converted graph too."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, inputs, target):
+        return self.loss_fn(self.model(inputs), target)
