@@ -34,6 +34,10 @@ class TracedModel:
 
 
 class AmpTracer(fx.Tracer):
+    # Buffers become get_attr nodes (not constants folded at trace time), so ops on them are painted
+    # and in-place updates reach the real buffer.
+    proxy_buffer_attributes = True
+
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return isinstance(m, LEAF_MODULE_TYPES)
 
