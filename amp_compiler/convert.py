@@ -59,4 +59,6 @@ def run_pipeline(gm: fx.GraphModule, config: AmpConfig, example_inputs=None) -> 
     )
     for step in steps:
         counts.update(step().counts)
+    gm.graph.lint()
+    gm.recompile()  # passes edit gm.graph; the Python code is generated once, here
     return counts

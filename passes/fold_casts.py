@@ -34,8 +34,6 @@ def fold_casts(gm: fx.GraphModule) -> PassResult:
         if is_cast(node) and not node.users:
             graph.erase_node(node)
             removed += 1
-    graph.lint()
-    gm.recompile()
     return PassResult(gm, modified=removed > 0, counts={"casts_removed": removed})
 
 

@@ -73,8 +73,6 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
             have = value.meta.get("amp", {}).get("dtype")
             if is_float(have) and is_float(original) and have != original:
                 output.replace_input_with(value, cast_of(value, original, output))
-    graph.lint()
-    gm.recompile()
     return PassResult(gm, modified=inserted > 0, counts={"casts_inserted": inserted})
 
 

@@ -1,0 +1,139 @@
+"""Benchmark the compiler core; prints three tables.
+
+1. convert() time against graph size (deep MLPs of 250/500/1000 Linear+ReLU blocks).
+2. Casts per forward (dtype-changing aten._to_copy calls, counted at runtime) against torch.autocast.
+3. bf16 training step of the converted zoo models against torch.autocast on CPU, alternated in one run.
+
+    python benchmarks/bench_convert.py [--repeats 20] [--size full]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import amp_compiler  # noqa: E402
+from models import ZOO_NAMES, build  # noqa: E402
+
+
+class CastCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.to) and isinstance(out, torch.Tensor) \
+                and isinstance(args[0], torch.Tensor) and args[0].dtype != out.dtype:
+            self.casts += 1
+        return out
+
+
+def deep_mlp(blocks: int) -> nn.Module:
+    layers = []
+    for _ in range(blocks):
+        layers += [nn.Linear(16, 16), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def table(title, header, rows):
+    print(f"\n{title}")
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in (header, ["-" * w for w in widths], *rows):
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+
+
+def convert_time():
+    rows, previous = [], None
+    for blocks in (250, 500, 1000):
+        model = deep_mlp(blocks)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            gm = amp_compiler.convert(model, "O1")
+            times.append(time.perf_counter() - start)
+        best = min(times)
+        growth = f"{best / previous:.2f}x" if previous else "-"
+        previous = best
+        rows.append([blocks, len(gm.graph.nodes), f"{best:.3f}", growth])
+    table("convert() time, deep MLP (target: < 1 s at 1000 blocks, ~2x per doubling)",
+          ["blocks", "fx nodes", "seconds", "vs half"], rows)
+
+
+def casts_per_forward(size: str):
+    rows = []
+    for name in ZOO_NAMES:
+        for dtype in (torch.float16, torch.bfloat16):
+            task = build(name, size=size)
+            task.model.eval()
+            gm = amp_compiler.convert(task.model, "O1", dtype=dtype, example_inputs=task.example_inputs)
+            gm.eval()
+            ours, theirs = CastCounter(), CastCounter()
+            with torch.no_grad():
+                with ours:
+                    gm(*task.example_inputs)
+                with torch.autocast("cpu", dtype=dtype), theirs:
+                    task.model(*task.example_inputs)
+            rows.append([name, str(dtype).removeprefix("torch."), ours.casts, theirs.casts,
+                         f"{ours.casts / max(theirs.casts, 1):.2f}"])
+    table("casts per forward at O1 (runtime _to_copy count; lower is better)",
+          ["model", "dtype", "amp-compiler", "autocast", "ratio"], rows)
+
+
+def train_step_time(size: str, repeats: int):
+    rows = []
+    for name in ZOO_NAMES:
+        task = build(name, size=size)
+        inputs, target = task.make_batch(0)
+        model = task.model
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        gm = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=inputs)
+
+        def ours():
+            opt.zero_grad(set_to_none=True)
+            task.loss_fn(gm(*inputs), target).backward()
+            opt.step()
+
+        def autocast():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = task.loss_fn(model(*inputs), target)
+            loss.backward()
+            opt.step()
+
+        for fn in (ours, autocast, ours, autocast):  # warm up
+            fn()
+        times = {"ours": [], "autocast": []}
+        for _ in range(repeats):  # alternate so drift hits both equally
+            for key, fn in (("ours", ours), ("autocast", autocast)):
+                start = time.perf_counter()
+                fn()
+                times[key].append(time.perf_counter() - start)
+        a, b = statistics.median(times["ours"]), statistics.median(times["autocast"])
+        rows.append([name, f"{a * 1e3:.2f}", f"{b * 1e3:.2f}", f"{a / b:.2f}"])
+    table(f"bf16 training step, CPU, {size} zoo models, median of {repeats} alternated runs "
+          "(target: ratio <= 1.0)", ["model", "amp-compiler ms", "autocast ms", "ratio"], rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--size", default="full", choices=("small", "full"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    convert_time()
+    casts_per_forward("small")
+    train_step_time(args.size, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
