@@ -1,7 +1,7 @@
 """explain(gm): a view of the decisions the passes wrote into node.meta["amp"], nothing recomputed.
 
-    node           op        dtype     rule
-    fc1            linear    float16   allow: dense matmul: tensor-core throughput, ...
+    node     module      op      dtype    rule
+    linear   encoder.fc  linear  float16  allow: dense matmul: tensor-core throughput, ...
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ class PrecisionReport:
         if s.get("leaf_modules"):
             lines.append(f"leaf modules kept whole: {', '.join(s['leaf_modules'])}")
         lines += [f"note: {note}" for note in s.get("notes", [])]
-        width_node = max([len(r["node"]) for r in self.rows] + [4])
-        width_op = max([len(r["op"]) for r in self.rows] + [2])
-        lines.append(f"{'node':<{width_node}}  {'op':<{width_op}}  {'dtype':<8}  rule")
+        columns = ("node", "module", "op", "dtype")
+        widths = {c: max([len(str(r[c])) for r in self.rows] + [len(c)]) for c in columns}
+        lines.append("  ".join(f"{c:<{widths[c]}}" for c in columns) + "  rule")
         for r in self.rows:
-            lines.append(f"{r['node']:<{width_node}}  {r['op']:<{width_op}}  {r['dtype']:<8}  {r['rule']}")
+            lines.append("  ".join(f"{str(r[c]):<{widths[c]}}" for c in columns) + f"  {r['rule']}")
         t = self.totals
         per_dtype = ", ".join(f"{k}: {v}" for k, v in sorted(t["nodes_per_dtype"].items()))
         lines.append(f"totals: {t['nodes']} compute nodes ({per_dtype}); {t['casts']} casts; "
