@@ -70,23 +70,28 @@ def convert_time():
 
 
 def casts_per_forward(size: str):
+    """Counts casts over forward + loss, as a training step runs them: autocast leaves the logits in low
+    precision and casts them for the loss; keep_io_types casts them back inside the graph instead."""
     rows = []
     for name in ZOO_NAMES:
         for dtype in (torch.float16, torch.bfloat16):
             task = build(name, size=size)
+            inputs, target = task.make_batch(0)
             task.model.eval()
-            gm = amp_compiler.convert(task.model, "O1", dtype=dtype, example_inputs=task.example_inputs)
+            gm = amp_compiler.convert(task.model, "O1", dtype=dtype, example_inputs=inputs)
             gm.eval()
             ours, theirs = CastCounter(), CastCounter()
             with torch.no_grad():
                 with ours:
-                    gm(*task.example_inputs)
+                    task.loss_fn(gm(*inputs), target)
                 with torch.autocast("cpu", dtype=dtype), theirs:
-                    task.model(*task.example_inputs)
+                    task.loss_fn(task.model(*inputs), target)
+            fp32_ops = sum(1 for n in gm.graph.nodes if n.meta.get("amp", {}).get("precision") == "fp32")
             rows.append([name, str(dtype).removeprefix("torch."), ours.casts, theirs.casts,
-                         f"{ours.casts / max(theirs.casts, 1):.2f}"])
-    table("casts per forward at O1 (runtime _to_copy count; lower is better)",
-          ["model", "dtype", "amp-compiler", "autocast", "ratio"], rows)
+                         f"{ours.casts / max(theirs.casts, 1):.2f}", fp32_ops])
+    table("casts per forward + loss at O1 (runtime _to_copy count; lower is better). CPU autocast runs "
+          "softmax, layer/batch norm and scatter-adds in low precision; amp-compiler keeps them fp32",
+          ["model", "dtype", "amp-compiler", "autocast", "ratio", "fp32 ops (ours)"], rows)
 
 
 def train_step_time(size: str, repeats: int):
