@@ -41,22 +41,38 @@ ALIASES = {
     "log_softmax_backward_data": "log_softmax", "safe_softmax": "softmax", "native_dropout": "dropout",
     "unsafe_view": "view", "to_copy": "to", "sym_size_int": "sym_size", "concat": "cat",
     "upsample_nearest2d_vec": "upsample_nearest2d", "upsample_bilinear2d_vec": "upsample_bilinear2d",
-    "neg_": "neg", "pos": "identity", "contiguous_format": "contiguous", "clamp_": "clamp",
+    "pos": "identity", "contiguous_format": "contiguous",
     "scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
     "getitem": "getitem", "adaptive_avg_pool2d": "adaptive_avg_pool2d", "mean_dim": "mean",
-    "relu_": "relu", "gelu_": "gelu", "add_": "add", "mul_": "mul", "div_": "div", "sub_": "sub",
     "copy": "clone", "lift_fresh_copy": "clone", "expand_copy": "expand", "view_copy": "view",
     "permute_copy": "permute", "transpose_copy": "transpose", "slice_copy": "slice",
     "select_copy": "select", "squeeze_copy": "squeeze", "unsqueeze_copy": "unsqueeze",
     "t_copy": "t", "split_with_sizes": "split", "new_zeros": "zeros_like", "new_ones": "ones_like",
-    "new_full": "full_like", "new_empty": "empty_like", "fill": "full_like", "scatter_add_": "scatter_add",
-    "index_add_": "index_add", "masked_fill_": "masked_fill", "dropout_": "dropout",
+    "new_full": "full_like", "new_empty": "empty_like", "fill": "full_like",
 }
+_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
+                      "imatmul"}
 
 
 def _strip(name: str) -> str:
     name = name.lstrip("_")
+    if name.endswith("_") and not name.endswith("__"):  # in-place spelling: add_ -> add
+        name = name[:-1]
     return ALIASES.get(name, name)
+
+
+def mutates_first_input(node: fx.Node) -> bool:
+    """In-place ops (x.add_(y), F.relu(x, inplace=True), h += y) write into their first argument."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if node.kwargs.get("inplace") is True:
+        return True
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        first = target._schema.arguments[0] if target._schema.arguments else None
+        return bool(first is not None and first.alias_info is not None and first.alias_info.is_write)
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS
 
 
 def canonical_op(node: fx.Node, root: nn.Module) -> str:
@@ -87,7 +103,9 @@ def canonical_op(node: fx.Node, root: nn.Module) -> str:
 
 
 def canonicalize(gm: fx.GraphModule) -> PassResult:
-    """Record meta["amp"]["op"] on every node."""
+    """Record meta["amp"]["op"] and ["inplace"] on every node."""
     for node in gm.graph.nodes:
-        node.meta.setdefault("amp", {})["op"] = canonical_op(node, gm)
+        amp = node.meta.setdefault("amp", {})
+        amp["op"] = canonical_op(node, gm)
+        amp["inplace"] = mutates_first_input(node)
     return PassResult(gm, modified=False)

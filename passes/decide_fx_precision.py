@@ -43,7 +43,10 @@ def build_view(gm: fx.GraphModule, rules: PrecisionRules) -> nx.DiGraph:
             continue
         klass, family, reason = rules.classify(amp["op"])
         amp.update({"class": klass, "family": family, "reason": reason})
-        if klass in PAINTABLE and not _computes_on_floats(node):
+        if amp.get("inplace") and klass in PAINTABLE:
+            amp["class"], amp["family"] = "ignore", "inplace"
+            amp["reason"] = "in-place op: runs in the dtype of the tensor it writes (a cast would write a copy)"
+        elif klass in PAINTABLE and not _computes_on_floats(node):
             amp["class"], amp["reason"] = "ignore", "no fp32/fp16/bf16 operand (int, bool or fp64): untouched"
         if amp["class"] == "ignore":
             continue

@@ -64,6 +64,8 @@ def _call_dtype(gm: fx.GraphModule, node: fx.Node, dtypes: dict, low: torch.dtyp
             return explicit if explicit is not None else _promote(inputs)
         if family == "factory":
             return _explicit_dtype(node, dtypes) or torch.get_default_dtype()
+        if family == "inplace":
+            return dtypes.get(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
         if family == "embedding":
             return _module_param_dtype(gm, node) or (inputs[1] if len(inputs) > 1 else None)
         return None

@@ -43,25 +43,35 @@ def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, why: str) -> 
 def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: list,
                  keep_io_types: bool = True) -> PassResult:
     graph = gm.graph
-    shared: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+    shared: dict[tuple[fx.Node, torch.dtype, int], fx.Node] = {}
+    writes: dict[fx.Node, int] = {}  # in-place writes seen so far: a cast made before one is stale after it
     inserted = 0
 
     def cast_of(value: fx.Node, dtype: torch.dtype, consumer: fx.Node) -> fx.Node:
         nonlocal inserted
-        key = (value, dtype)
+        key = (value, dtype, writes.get(value, 0))
         if key not in shared:
-            with graph.inserting_after(value):
+            with graph.inserting_before(consumer):  # the first reader: later readers share it
                 why = f"boundary: {value.name} ({_short(value.meta['amp']['dtype'])}) read as {_short(dtype)}"
                 shared[key] = make_cast(graph, value, dtype, why)
             inserted += 1
         return shared[key]
 
     for node in list(graph.nodes):
-        precision = node.meta.get("amp", {}).get("precision")
-        if precision is None:
+        amp = node.meta.get("amp", {})
+        if amp.get("family") == "inplace":  # operands follow the written tensor, which is never cast
+            target = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+            want = target.meta.get("amp", {}).get("dtype") if target is not None else None
+            operands = [v for v in node.all_input_nodes if v is not target]
+            if target is not None:
+                writes[target] = writes.get(target, 0) + 1
+        else:
+            precision = amp.get("precision")
+            want = {"low": low, "fp32": torch.float32}.get(precision)
+            operands = list(node.all_input_nodes)
+        if not is_float(want):
             continue
-        want = low if precision == "low" else torch.float32
-        for value in list(node.all_input_nodes):
+        for value in operands:
             have = value.meta.get("amp", {}).get("dtype")
             if is_float(have) and have != want:
                 node.replace_input_with(value, cast_of(value, want, node))

@@ -47,6 +47,15 @@ def _functional_call(module: nn.Module, node: fx.Node):
 
 def lower_leaf_modules(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
     graph, changed = gm.graph, 0
+    # One get_attr per attribute, so a module called twice has its weights cast once per forward.
+    getters = {n.target: n for n in graph.nodes if n.op == "get_attr"}
+
+    def getter(target: str) -> fx.Node:  # called at the first reader's insertion point
+        if target not in getters:
+            getters[target] = graph.get_attr(target)
+            getters[target].meta["amp"] = {"op": "get_attr", "class": "io", "precision": None, "rule": "parameter"}
+        return getters[target]
+
     for node in list(graph.nodes):
         if node.op != "call_module" or node.meta.get("amp", {}).get("precision") != "low":
             continue
@@ -57,20 +66,15 @@ def lower_leaf_modules(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
         with graph.inserting_before(node):
             if functional is not None:
                 fn, extra = functional
-                weight = _param_node(graph, node.target, "weight")
-                bias = _param_node(graph, node.target, "bias") if module.bias is not None else None
+                weight = getter(f"{node.target}.weight")
+                bias = getter(f"{node.target}.bias") if module.bias is not None else None
                 new = graph.call_function(fn, (node.args[0], weight, bias, *extra))
             else:
-                getter = graph.get_attr(node.target)
-                new = graph.call_function(amp_module_call, (getter, low, *node.args), dict(node.kwargs))
+                new = graph.call_function(amp_module_call, (getter(node.target), low, *node.args),
+                                          dict(node.kwargs))
         new.meta = node.meta
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         changed += 1
     return PassResult(gm, modified=changed > 0, counts={"leaf_modules_lowered": changed})
 
-
-def _param_node(graph: fx.Graph, module_target: str, name: str) -> fx.Node:
-    node = graph.get_attr(f"{module_target}.{name}")
-    node.meta["amp"] = {"op": "get_attr", "class": "io", "precision": None, "rule": "parameter"}
-    return node

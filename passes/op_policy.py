@@ -92,6 +92,8 @@ _TABLE: list[OpRule] = [
             "masked_fill dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout "
             "identity abs sign sort topk kthvalue median nan_to_num scatter index_put index_copy "
             "masked_scatter zeros_like ones_like full_like empty_like rand_like randn_like round floor ceil trunc"),
+    *_rules("clear", "control_flow", "picks one branch's values; the ops inside each branch are painted one by one",
+            "cond"),
     # --- ignore: outputs are not floating tensors, or the op reads only metadata.
     *_rules("ignore", "metadata", "reads shape or dtype only; no floating output",
             "size dim numel shape getattr ndim ndimension is_floating_point is_contiguous stride "
@@ -108,6 +110,8 @@ _TABLE: list[OpRule] = [
             "zeros ones full empty rand randn eye linspace logspace tensor scalar_tensor"),
     *_rules("ignore", "user_cast", "an explicit dtype conversion written by the user is respected",
             "to float double half bfloat16 type type_as"),
+    *_rules("ignore", "control_flow", "loop-carried values keep their dtype across iterations; the body's ops are "
+            "painted and cast inside the body", "while_loop scan"),
 ]
 
 # bf16 has fp32's exponent range, so ops denied only for fp16 overflow can follow their inputs.

@@ -334,3 +334,35 @@ def test_public_api_surface():
     assert amp_compiler.default_lists("deny")[:3] == sorted(amp_compiler.default_lists("deny"))[:3]
     for name in ("convert", "explain", "TracingError"):
         assert name in amp_compiler.__all__
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        before = self.fc2(h)          # reads h before the in-place write
+        h.mul_(2)                     # writes h: must not write a cast copy
+        after = torch.softmax(h, -1)  # fp32 reader after the write: a fresh cast
+        return before, after, F.relu(self.fc2(after), inplace=True)
+
+
+def test_in_place_ops_write_the_real_tensor_and_casts_are_not_reused_across_writes():
+    model = InPlace()
+    x = torch.randn(3, 4)
+    gm = convert(model, "O1")
+    rows = {r["node"]: r for r in explain(gm).rows}
+    assert rows["mul_"]["rule"].startswith("in-place op")
+    mul = next(n for n in gm.graph.nodes if n.name == "mul_")
+    assert mul.args[0].op == "call_function" and mul.args[0].meta["amp"]["op"] == "linear"  # not a cast
+    with torch.no_grad():
+        for out, ref in zip(gm(x), model(x)):
+            assert_close_to_fp32(out, ref, torch.float16)
+
+
+def test_a_module_called_twice_has_its_weights_cast_once():
+    gm = convert(InPlace(), "O1")
+    weight_casts = [c for c in cast_nodes(gm) if c.args[0].op == "get_attr" and c.args[0].target == "fc2.weight"]
+    assert len(weight_casts) == 1 and len(weight_casts[0].users) == 2

@@ -1,0 +1,115 @@
+"""How ONNX ops tie dtypes to their inputs, outputs and attributes: spec facts the fp16 rewrite respects.
+
+    Resize(X, roi, scales)          roi/scales keep their own float type: only X follows the node's precision
+    LayerNormalization -> Y, Mean, InvStdDev     Mean/InvStdDev follow stash_type (fp32), not X
+    Cast(ConstantOfShape(value=f32 0), f16)      ->  ConstantOfShape(value=f16 0): the dtype is an attribute
+
+Pure data plus small predicates; the passes decide, this module only says what the spec allows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+DTYPE_NAMES = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
+
+# Inputs whose float type is independent of the data type; they keep the dtype the source model gave them.
+OWN_DTYPE_INPUTS: dict[str, tuple[int, ...]] = {
+    "Resize": (1, 2),       # roi: T2, scales: tensor(float) only (onnxconverter-common #207 #208 #306)
+    "Upsample": (1,),       # scales: tensor(float) only
+    "Dropout": (1,),        # ratio: T1, any float type, unrelated to the data
+}
+# Outputs whose dtype an attribute fixes, whatever the precision of the node.
+OWN_DTYPE_OUTPUTS: dict[str, tuple[int, ...]] = {
+    "LayerNormalization": (1, 2),   # Mean, InvStdDev follow stash_type (fp32 by default): fp32 statistics
+}
+# Ops whose first input only lends its shape once the `dtype` attribute is set: painting sets it, no cast.
+SHAPE_TEMPLATE_OPS = {"RandomNormalLike": "dtype", "RandomUniformLike": "dtype"}
+# Ops with non-float outputs that accept any float type, as long as their float inputs agree.
+READS_ANY_FLOAT = {"Shape", "Size", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "IsNaN",
+                   "IsInf", "ArgMax", "ArgMin", "NonZero"}
+# Sources whose output dtype is an attribute: a Cast of their output folds into the attribute.
+DTYPE_ATTRIBUTE_SOURCES = {"Constant": "value", "ConstantOfShape": "value", "RandomNormal": "dtype",
+                           "RandomUniform": "dtype", "RandomNormalLike": "dtype", "RandomUniformLike": "dtype",
+                           "EyeLike": "dtype"}
+# Random ops give new values on every evaluation: never duplicated to serve two dtypes.
+RANDOM_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"}
+FP16_MAX = float(np.finfo(np.float16).max)   # 65504
+
+
+def is_float_type(dtype) -> bool:
+    """fp32/fp16/bf16: what AMP may change. fp64, integers, bools, strings are never touched."""
+    return dtype in FLOAT_TYPES
+
+
+def tensor_dtype(value: ir.Value | None):
+    """The element type of a tensor value, None for absent inputs, sequences, optionals or unknown types."""
+    if value is None or not isinstance(value.type, ir.TensorType):
+        return None
+    return value.dtype
+
+
+def is_float_value(value: ir.Value | None) -> bool:
+    return is_float_type(tensor_dtype(value))
+
+
+def is_onnx_op(node: ir.Node, *op_types: str) -> bool:
+    return node.domain in ("", "ai.onnx") and node.op_type in op_types
+
+
+def has_subgraphs(node: ir.Node) -> bool:
+    return any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values())
+
+
+def subgraphs_of(node: ir.Node) -> list[ir.Graph]:
+    graphs: list[ir.Graph] = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            graphs.append(attr.as_graph())
+        elif attr.type == ir.AttributeType.GRAPHS:
+            graphs.extend(attr.as_graphs())
+    return graphs
+
+
+def input_role(node: ir.Node, index: int) -> str:
+    """'data' (follows the node's precision), 'own' (spec-fixed float type) or 'template' (shape only)."""
+    if node.domain in ("", "ai.onnx"):
+        if index in OWN_DTYPE_INPUTS.get(node.op_type, ()):
+            return "own"
+        if node.op_type in SHAPE_TEMPLATE_OPS and index == 0:
+            return "template"
+    return "data"
+
+
+def follows_precision(node: ir.Node, output_index: int) -> bool:
+    """Whether a float output of a painted node takes the node's precision."""
+    return not (node.domain in ("", "ai.onnx") and output_index in OWN_DTYPE_OUTPUTS.get(node.op_type, ()))
+
+
+def cast_pair_folds(source, middle, target) -> bool:
+    """Cast(Cast(x: source, middle), target) computes exactly Cast(x, target) (onnxscript's CastCast idea).
+
+    True when the first cast is exact (it widens), or when integers/bools reach fp16 through fp32: every
+    integer fp16 can hold below 65520 converts to fp32 exactly, and every larger one becomes inf either way.
+    fp32 -> fp16 -> fp32 is never folded: the round trip rounds (ORT stopped removing it in 1.17).
+    """
+    if _exact(source, middle):
+        return True
+    integer_source = source is not None and (source.is_integer() or source == ir.DataType.BOOL)
+    return integer_source and middle == ir.DataType.FLOAT and target == ir.DataType.FLOAT16
+
+
+def _exact(source, target) -> bool:
+    if source is None or target is None:
+        return False
+    if source == target or source == ir.DataType.BOOL:
+        return True
+    if ir.DataType.BFLOAT16 in (source, target):
+        wider = {ir.DataType.FLOAT, ir.DataType.DOUBLE}
+        return (source == ir.DataType.BFLOAT16 and target in wider) or \
+            (target == ir.DataType.BFLOAT16 and source in (ir.DataType.INT8, ir.DataType.UINT8))
+    try:
+        return bool(np.can_cast(source.numpy(), target.numpy(), casting="safe"))
+    except TypeError:   # string/complex/float8 types: never assume exactness
+        return False
