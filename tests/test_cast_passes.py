@@ -1,0 +1,87 @@
+"""insert_casts and fold_casts on their own: structure, counts, validity."""
+import torch
+import torch.fx as fx
+from torch import nn
+
+from passes.fold_casts import count_casts, fold_casts
+from passes.insert_casts import amp_cast, insert_casts, make_cast
+
+
+def graph_with(dtypes: dict, build) -> fx.GraphModule:
+    """A GraphModule built by `build(graph)`, with meta["amp"]["dtype"] set from `dtypes` by node name."""
+    graph = fx.Graph()
+    build(graph)
+    for node in graph.nodes:
+        node.meta.setdefault("amp", {})["dtype"] = dtypes.get(node.name)
+    return fx.GraphModule(nn.Module(), graph)
+
+
+def test_one_shared_cast_per_value_and_dtype():
+    def build(g):
+        x = g.placeholder("x")
+        a = g.call_function(torch.relu, (x,), name="a")
+        b = g.call_function(torch.tanh, (x,), name="b")
+        c = g.call_function(torch.softmax, (x, -1), name="c")
+        g.output((a, b, c))
+
+    gm = graph_with({"x": torch.float32, "a": torch.float16, "b": torch.float16, "c": torch.float32}, build)
+    for name, precision in (("a", "low"), ("b", "low"), ("c", "fp32")):
+        next(n for n in gm.graph.nodes if n.name == name).meta["amp"]["precision"] = precision
+    result = insert_casts(gm, torch.float16, [torch.float32] * 3, keep_io_types=True)
+    assert result.counts == {"casts_inserted": 3} and result.modified  # x->f16 (shared), a->f32, b->f32
+    x_casts = [n for n in gm.graph.nodes if n.target is amp_cast and n.args[0].name == "x"]
+    assert len(x_casts) == 1 and {u.name for u in x_casts[0].users} == {"a", "b"}
+    gm.graph.lint()
+    gm.recompile()
+    a, b, c = gm(torch.randn(2, 3))
+    assert a.dtype == b.dtype == c.dtype == torch.float32
+
+
+def test_without_keep_io_types_outputs_stay_low():
+    def build(g):
+        x = g.placeholder("x")
+        g.output(g.call_function(torch.relu, (x,), name="a"))
+
+    gm = graph_with({"x": torch.float32, "a": torch.float16}, build)
+    next(n for n in gm.graph.nodes if n.name == "a").meta["amp"]["precision"] = "low"
+    assert insert_casts(gm, torch.float16, [torch.float32], keep_io_types=False).counts["casts_inserted"] == 1
+    gm.recompile()
+    assert gm(torch.randn(3)).dtype == torch.float16
+
+
+def test_fold_removes_chains_no_ops_duplicates_and_dead_casts():
+    dtypes = {"x": torch.float32, "h": torch.float16}
+
+    def build(g):
+        x = g.placeholder("x")
+        h = g.call_function(torch.relu, (x,), name="h")
+        down = make_cast(g, x, torch.float16, "test")
+        back = make_cast(g, down, torch.float32, "test")          # fp32 -> f16 -> fp32 chain
+        same = make_cast(g, h, torch.float16, "test")             # to the dtype h already has
+        dup1, dup2 = make_cast(g, h, torch.float32, "t"), make_cast(g, h, torch.float32, "t")
+        make_cast(g, x, torch.bfloat16, "dead")                   # nobody reads it
+        g.output((back, same, dup1, dup2))
+
+    gm = graph_with(dtypes, build)
+    for node in gm.graph.nodes:
+        if node.target is amp_cast:
+            node.meta["amp"]["dtype"] = node.args[1]
+    result = fold_casts(gm)
+    gm.graph.lint()
+    gm.recompile()
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert output[0].name == "x"           # the chain reads the exact fp32 original
+    assert output[1].name == "h"           # no-op cast gone
+    assert output[2] is output[3]          # duplicates merged
+    assert count_casts(gm) == 1 and result.counts["casts_removed"] == 5  # + the chain's now-dead first cast
+    x = torch.randn(4)
+    back, same, dup, _ = gm(x)
+    assert torch.equal(back, x) and dup.dtype == torch.float32
+
+
+def test_amp_cast_touches_only_castable_floats():
+    assert amp_cast(torch.ones(2), torch.float16).dtype == torch.float16
+    for value in (torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.int64), torch.ones(2) > 0):
+        assert amp_cast(value, torch.float16) is value
+    nested = amp_cast((torch.ones(1), [torch.ones(1, dtype=torch.int32)], 3), torch.bfloat16)
+    assert nested[0].dtype == torch.bfloat16 and nested[1][0].dtype == torch.int32 and nested[2] == 3
