@@ -10,6 +10,7 @@ state_dict() keys are the original's.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -76,13 +77,27 @@ def trace(model: nn.Module, example_inputs=None) -> TracedModel:
                         f"got {type(example_inputs).__name__}")
     root = share_module_tree(model)
     tracer = AmpTracer()
+    concrete = _optional_arguments(root, example_inputs)
     try:
-        graph = tracer.trace(root)
+        graph = tracer.trace(root, concrete_args=concrete or None)
     except Exception as fx_error:  # noqa: BLE001 - any fx failure means: try the next front end
         return _export_fallback(model, root, example_inputs, fx_error)
     gm = graph_module_on(root, graph, type(model).__name__ + "Amp")
     leaves = sorted({n.target for n in graph.nodes if n.op == "call_module"})
-    return TracedModel(gm, "fx.symbolic_trace", leaves)
+    notes = [f"traced with {name}={value!r}; calls that pass another value raise (give it in example_inputs "
+             "to trace it as an input)" for name, value in concrete.items()]
+    return TracedModel(gm, "fx.symbolic_trace", leaves, notes)
+
+
+def _optional_arguments(root: nn.Module, example_inputs) -> dict:
+    """forward() arguments defaulting to None or a bool that example_inputs do not cover: they usually
+    pick a branch (`if mask is None`), which fx would otherwise trace the wrong way."""
+    covered = len(example_inputs) if example_inputs is not None else 0
+    concrete = {}
+    for index, (name, param) in enumerate(inspect.signature(root.forward).parameters.items()):
+        if index >= covered and (param.default is None or isinstance(param.default, bool)):
+            concrete[name] = param.default
+    return concrete
 
 
 def _export_fallback(model, root, example_inputs, fx_error) -> TracedModel:

@@ -366,3 +366,25 @@ def test_a_module_called_twice_has_its_weights_cast_once():
     gm = convert(InPlace(), "O1")
     weight_casts = [c for c in cast_nodes(gm) if c.args[0].op == "get_attr" and c.args[0].target == "fc2.weight"]
     assert len(weight_casts) == 1 and len(weight_casts[0].users) == 2
+
+
+class OptionalMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, scale=2.0, mask=None):
+        y = self.fc(x) * scale
+        return y if mask is None else y.masked_fill(mask, 0.0)
+
+
+def test_optional_arguments_are_traced_with_their_default_unless_given():
+    x, mask = torch.randn(2, 4), torch.rand(2, 4) > 0.5
+    model = OptionalMask()
+    gm = convert(model, "O1")
+    assert_close_to_fp32(gm(x, 3.0), model(x, 3.0), torch.float16)  # numbers stay live inputs
+    assert "traced with mask=None" in str(explain(gm))
+    with pytest.raises(AssertionError, match="mask has been specialized to have value None"):
+        gm(x, 2.0, mask)
+    gm = convert(model, "O1", example_inputs=(x, 2.0, mask))
+    assert_close_to_fp32(gm(x, 2.0, mask), model(x, 2.0, mask), torch.float16)
