@@ -61,5 +61,8 @@ def test_random_models_are_valid_and_close_to_fp32(codes, dtype, level, seed):
                 assert precisions == {"low"}, op
             if op in POLICY and POLICY[op].cls == "deny":
                 assert precisions == {"fp32"}, op
-    if level == "O3":
-        assert set().union(*painted.values()) <= {"low"}
+    if level == "O3":  # every computing op is low; data movement may stay with fp32 inputs
+        for node in gm.graph.nodes:
+            amp = node.meta.get("amp", {})
+            if amp.get("precision") is not None and amp["class"] != "clear":
+                assert amp["precision"] == "low", node.name
