@@ -15,7 +15,6 @@ from passes.op_policy import POLICY
 from passes.pass_result import PassResult
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-DTYPE_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 METHOD_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
                  "double": torch.float64, "long": torch.int64, "int": torch.int32, "bool": torch.bool}
 _PROMOTION_ORDER = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
