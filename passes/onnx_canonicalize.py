@@ -73,8 +73,9 @@ ONNX_OPS: dict[str, str] = {
 # Ops named by their spatial rank: the policy table spells conv2d, avg_pool1d, adaptive_max_pool3d.
 RANKED = {"Conv": "conv", "ConvTranspose": "conv_transpose", "AveragePool": "avg_pool", "MaxPool": "max_pool",
           "GlobalAveragePool": "adaptive_avg_pool", "GlobalMaxPool": "adaptive_max_pool"}
-# Reductions that accumulate (add/mul) make a scatter numerically fragile; max/min/none only select.
-SCATTER_REDUCTIONS = {"add": "scatter_add", "mul": "scatter_reduce"}
+# A scatter with a reduction is torch's scatter_add / scatter_reduce; without one it only places values.
+SCATTER_REDUCTIONS = {"add": "scatter_add", "mul": "scatter_reduce", "max": "scatter_reduce",
+                      "min": "scatter_reduce"}
 
 
 def canonical_onnx_op(node: ir.Node) -> str:

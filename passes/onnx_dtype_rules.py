@@ -3,12 +3,16 @@
     Resize(X, roi, scales)          roi/scales keep their own float type: only X follows the node's precision
     LayerNormalization -> Y, Mean, InvStdDev     Mean/InvStdDev follow stash_type (fp32), not X
     Cast(ConstantOfShape(value=f32 0), f16)      ->  ConstantOfShape(value=f16 0): the dtype is an attribute
+    RandomNormalLike(x, dtype=f32) painted low   ->  RandomNormalLike(x_f16, dtype=f16)
 
 Pure data plus small predicates; the passes decide, this module only says what the spec allows.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -24,18 +28,23 @@ OWN_DTYPE_INPUTS: dict[str, tuple[int, ...]] = {
 OWN_DTYPE_OUTPUTS: dict[str, tuple[int, ...]] = {
     "LayerNormalization": (1, 2),   # Mean, InvStdDev follow stash_type (fp32 by default): fp32 statistics
 }
-# Ops whose first input only lends its shape once the `dtype` attribute is set: painting sets it, no cast.
-SHAPE_TEMPLATE_OPS = {"RandomNormalLike": "dtype", "RandomUniformLike": "dtype"}
+# Painted ops whose output dtype is an attribute: it is set to the node's precision. Their input is cast
+# like data although only its shape matters: ONNX Runtime's CPU kernels take fp16 out only with fp16 in.
+DTYPE_ATTRIBUTE_FOLLOWS_PRECISION = {"RandomNormalLike": "dtype", "RandomUniformLike": "dtype"}
 # Ops with non-float outputs that accept any float type, as long as their float inputs agree.
 READS_ANY_FLOAT = {"Shape", "Size", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "IsNaN",
                    "IsInf", "ArgMax", "ArgMin", "NonZero"}
-# Sources whose output dtype is an attribute: a Cast of their output folds into the attribute.
-DTYPE_ATTRIBUTE_SOURCES = {"Constant": "value", "ConstantOfShape": "value", "RandomNormal": "dtype",
-                           "RandomUniform": "dtype", "RandomNormalLike": "dtype", "RandomUniformLike": "dtype",
-                           "EyeLike": "dtype"}
-# Random ops give new values on every evaluation: never duplicated to serve two dtypes.
-RANDOM_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"}
+# Constant sources: a Cast of their output folds into their value. The other sources with a dtype attribute
+# (RandomNormal, RandomUniform, EyeLike) keep fp32 and one Cast: ONNX Runtime's CPU provider has no kernel
+# that makes fp16 from nothing or from an fp32 template (their attribute always matches their output).
+CONSTANT_SOURCES = ("Constant", "ConstantOfShape")
 FP16_MAX = float(np.finfo(np.float16).max)   # 65504
+# Kernels ONNX Runtime registers for fp16 that refuse it at run time (CPU EP, onnxruntime 1.31):
+# (op type, reduction attribute). Painting keeps these fp32 at every level.
+ORT_REFUSES_FLOAT16 = {("ScatterND", "add"), ("ScatterND", "mul"), ("ScatterND", "max"), ("ScatterND", "min"),
+                       ("ScatterElements", "add"), ("ScatterElements", "mul")}
+_TYPE_STRINGS = {ir.DataType.FLOAT16: "tensor(float16)", ir.DataType.BFLOAT16: "tensor(bfloat16)",
+                 ir.DataType.FLOAT: "tensor(float)"}
 
 
 def is_float_type(dtype) -> bool:
@@ -73,12 +82,9 @@ def subgraphs_of(node: ir.Node) -> list[ir.Graph]:
 
 
 def input_role(node: ir.Node, index: int) -> str:
-    """'data' (follows the node's precision), 'own' (spec-fixed float type) or 'template' (shape only)."""
-    if node.domain in ("", "ai.onnx"):
-        if index in OWN_DTYPE_INPUTS.get(node.op_type, ()):
-            return "own"
-        if node.op_type in SHAPE_TEMPLATE_OPS and index == 0:
-            return "template"
+    """'data' (follows the node's precision) or 'own' (a float type the spec fixes apart from the data)."""
+    if node.domain in ("", "ai.onnx") and index in OWN_DTYPE_INPUTS.get(node.op_type, ()):
+        return "own"
     return "data"
 
 
@@ -113,3 +119,33 @@ def _exact(source, target) -> bool:
         return bool(np.can_cast(source.numpy(), target.numpy(), casting="safe"))
     except TypeError:   # string/complex/float8 types: never assume exactness
         return False
+
+
+def low_precision_blocker(node: ir.Node, low: ir.DataType, opset: int) -> str | None:
+    """Why `node` cannot run in `low` at all (its ONNX schema or ONNX Runtime rejects it), else None."""
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    reduction = node.attributes.get("reduction")
+    if low == ir.DataType.FLOAT16 and reduction is not None and \
+            (node.op_type, reduction.as_string()) in ORT_REFUSES_FLOAT16:
+        return f"ONNX Runtime has no float16 {node.op_type} kernel with reduction='{reduction.as_string()}'"
+    allowed = _schema_types(node.op_type, opset)
+    if allowed is None:
+        return None
+    for index, value in enumerate(node.inputs):
+        if is_float_value(value) and input_role(node, index) == "data":
+            types = allowed[min(index, len(allowed) - 1)] if allowed else None
+            if types is not None and _TYPE_STRINGS[low] not in types:
+                return f"the ONNX schema of {node.op_type} takes no {_TYPE_STRINGS[low]} for input {index}"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _schema_types(op_type: str, opset: int):
+    """Per formal input, the tensor types the schema allows; None when onnx has no schema for the op."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return None
+    constraints = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
+    return tuple(constraints.get(i.type_str, frozenset({i.type_str})) for i in schema.inputs)

@@ -1,0 +1,128 @@
+"""Training benchmark: activation memory saved for backward per level, and step time against autocast.
+
+    python benchmarks/bench_train.py [--size small|full] [--models mlp,resnet] [--rounds 20]
+
+Table 1: bytes of tensors autograd saves for backward in one forward + fp32 loss of the converted model
+(torch.autograd.graph.saved_tensors_hooks; each storage counted once; the model's own parameters and
+buffers not counted, the low-precision copies of them are), at O0, O1, O2. Target: O2 <= 0.6 of O0.
+Table 2: milliseconds per training step (median over alternating rounds, all variants timed in the same
+loop so machine load hits them alike): fp32 eager; eager under torch.autocast(cpu, bf16) with
+torch.amp.GradScaler; build_train_network at O1 and O2 in bf16. Each variant trains its own copy of the
+same initial model with AdamW.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # models/ is not installed
+
+from amp_compiler import build_train_network, convert  # noqa: E402
+from models import ZOO_NAMES, build  # noqa: E402
+
+
+def saved_activation_bytes(task, level: str, dtype: torch.dtype) -> int:
+    gm = convert(task.model, level, dtype=dtype, example_inputs=task.example_inputs)
+    own = {t.untyped_storage().data_ptr() for t in [*task.model.parameters(), *task.model.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in own:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    inputs, target = task.make_batch(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = gm(*inputs)
+        task.loss_fn(output.float(), target)
+    return sum(saved.values())
+
+
+def autocast_step(model, loss_fn):
+    """The plain PyTorch recipe: autocast forward, GradScaler-scaled backward, skipped step on inf."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(inputs, target):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = model(*inputs)
+        scaler.scale(loss_fn(output.float(), target)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return step
+
+
+def fp32_step(model, loss_fn):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(inputs, target):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(*inputs), target).backward()
+        optimizer.step()
+    return step
+
+
+def compiled_step(model, loss_fn, level, example_inputs):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_step = build_train_network(model, optimizer, loss_fn, level=level, dtype=torch.bfloat16,
+                                     example_inputs=example_inputs)
+    return lambda inputs, target: train_step(*inputs, target)
+
+
+def step_times(task, rounds: int, warmup: int = 3) -> dict[str, float]:
+    variants = {
+        "fp32 eager": fp32_step(copy.deepcopy(task.model), task.loss_fn),
+        "autocast+GradScaler": autocast_step(copy.deepcopy(task.model), task.loss_fn),
+        "ours O1 bf16": compiled_step(copy.deepcopy(task.model), task.loss_fn, "O1", task.example_inputs),
+        "ours O2 bf16": compiled_step(copy.deepcopy(task.model), task.loss_fn, "O2", task.example_inputs),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for index in range(warmup + rounds):
+        inputs, target = task.make_batch(index)
+        for name, step in variants.items():  # alternate: every round times every variant once
+            start = time.perf_counter()
+            step(inputs, target)
+            if index >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(values) for name, values in times.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="full", choices=["small", "full"])
+    parser.add_argument("--models", default=",".join(ZOO_NAMES))
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
+                        help="low dtype for the memory table (the timing table uses bf16, as autocast on CPU)")
+    args = parser.parse_args(argv)
+    names = args.models.split(",")
+    dtype = getattr(torch, args.dtype)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, zoo size {args.size!r}\n")
+
+    print(f"Activation bytes saved for backward ({args.dtype}; target O2/O0 <= 0.60)")
+    print(f"{'model':8} {'O0':>12} {'O1':>12} {'O2':>12} {'O1/O0':>6} {'O2/O0':>6}  target")
+    for name in names:
+        task = build(name, size=args.size)
+        o0, o1, o2 = (saved_activation_bytes(task, level, dtype) for level in ("O0", "O1", "O2"))
+        verdict = "met" if o2 <= 0.6 * o0 else "MISSED"
+        print(f"{name:8} {o0:12,d} {o1:12,d} {o2:12,d} {o1 / o0:6.2f} {o2 / o0:6.2f}  {verdict}")
+
+    print(f"\nStep time, ms (median of {args.rounds} alternating rounds)")
+    columns = ["fp32 eager", "autocast+GradScaler", "ours O1 bf16", "ours O2 bf16"]
+    print(f"{'model':8} " + " ".join(f"{c:>20}" for c in columns) + f" {'O1/autocast':>12}")
+    for name in names:
+        times = step_times(build(name, size=args.size), args.rounds)
+        ratio = times["ours O1 bf16"] / times["autocast+GradScaler"]
+        print(f"{name:8} " + " ".join(f"{times[c]:20.2f}" for c in columns) + f" {ratio:12.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Make the inputs an ONNX schema ties to one type agree, casting the odd ones to the data's dtype.
+
+    LayerNormalization(X: f16, Scale: f32, B: f32)   ->   LayerNormalization(X, Cast(Scale, f16), Cast(B, f16))
+    Conv(X: f16, W: f32)   (batch norm folded into W by the exporter's optimizer)   ->   Conv(X, Cast(W, f16))
+
+torch runs norms on fp16 data with fp32 weights, and torch.onnx writes that down although the schema's
+T ... T constraint forbids it (pytorch #106298 #158658): the model fails onnx.checker and ONNX Runtime.
+The first float input of each type group (the data: X, A, input) sets the dtype the group computes in,
+which is the dtype the node's outputs already have. fold_onnx_casts then stores the cast weights in it.
+Only the export path needs this; convert_onnx builds consistent types by construction.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import lru_cache
+
+import onnx
+import onnx_ir as ir
+
+from passes.onnx_canonicalize import all_nodes
+from passes.onnx_cast_nodes import UniqueNames, make_cast
+from passes.onnx_dtype_rules import is_float_value
+from passes.pass_result import PassResult
+
+
+def unify_onnx_input_types(model: ir.Model) -> PassResult:
+    names = UniqueNames(model)
+    shared: dict[tuple[ir.Value, ir.DataType], ir.Value] = {}
+    opset = model.opset_imports.get("", 1)
+    cast = 0
+    for node in list(all_nodes(model.graph)):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        for indices in _type_groups(node.op_type, opset, len(node.inputs)):
+            floats = [i for i in indices if is_float_value(node.inputs[i])]
+            if len({node.inputs[i].dtype for i in floats}) < 2:
+                continue
+            target = node.inputs[floats[0]].dtype
+            for i in floats[1:]:
+                value = node.inputs[i]
+                if value.dtype != target:
+                    if (value, target) not in shared:
+                        shared[value, target] = make_cast(value, target, names).outputs[0]
+                        cast += 1
+                    node.replace_input_with(i, shared[value, target])
+    return PassResult(model, modified=cast > 0, counts={"mixed_dtype_inputs_cast": cast})
+
+
+def _type_groups(op_type: str, opset: int, arity: int) -> list[list[int]]:
+    params = _input_type_params(op_type, opset)
+    groups: dict[str, list[int]] = defaultdict(list)
+    for index in range(arity):
+        if params:
+            param = params[min(index, len(params) - 1)]   # variadic inputs repeat the last parameter
+            if param is not None:
+                groups[param].append(index)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+@lru_cache(maxsize=None)
+def _input_type_params(op_type: str, opset: int) -> tuple | None:
+    """Per formal input, its type parameter ('T'), or None when its type is spelled out (tensor(int64))."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return None
+    constrained = {c.type_param_str for c in schema.type_constraints}
+    return tuple(i.type_str if i.type_str in constrained else None for i in schema.inputs)

@@ -1,0 +1,122 @@
+"""Two ranks (gloo, loopback): build_train_network averages gradients and all-reduces the overflow flag,
+and a converted GraphModule trains inside DistributedDataParallel with a loss-scale manager."""
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from amp_compiler import DynamicLossScaleManager, build_train_network, convert
+
+WORLD_SIZE = 2
+
+
+def make_model():
+    torch.manual_seed(0)  # the same initial weights on every rank
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def batch(rank, step):
+    generator = torch.Generator().manual_seed(100 * rank + step)  # each rank its own data
+    return torch.randn(16, 6, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+
+
+def gathered(tensor):
+    copies = [torch.empty_like(tensor) for _ in range(WORLD_SIZE)]
+    dist.all_gather(copies, tensor.detach().contiguous())
+    return copies
+
+
+def assert_same_on_every_rank(model):
+    for name, tensor in model.state_dict().items():
+        if name.endswith("running_mean") or name.endswith("running_var"):
+            continue  # BatchNorm statistics are per rank, as with DDP's own (non-synced) BatchNorm
+        first, *others = gathered(tensor)
+        assert all(torch.equal(first, other) for other in others), f"{name} differs between ranks"
+
+
+def snapshot(model, optimizer):
+    tensors = [t.detach().clone() for t in model.state_dict().values()]
+    for state in optimizer.state.values():
+        tensors += [v.clone() for v in state.values() if torch.is_tensor(v)]
+    return tensors
+
+
+def check_build_train_network(rank):
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    manager = DynamicLossScaleManager(init_loss_scale=2 ** 10, scale_window=100)
+    step = build_train_network(model, optimizer, nn.CrossEntropyLoss(), level="O2", dtype=torch.float16,
+                               loss_scale_manager=manager)
+    # The step's gradient is the average of each rank's fp32 gradient.
+    reference = make_model()
+    for other in range(WORLD_SIZE):
+        x, y = batch(other, 0)
+        nn.functional.cross_entropy(reference(x), y).backward()
+    _, overflow, _ = step(*batch(rank, 0))
+    assert not overflow
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad / WORLD_SIZE, rtol=2e-2, atol=2e-3)
+    for index in range(1, 4):
+        assert not step(*batch(rank, index))[1]
+    assert_same_on_every_rank(model)
+    # An overflow on rank 1 alone skips the step on both ranks.
+    x, y = batch(rank, 4)
+    if rank == 1:
+        x[0, 0] = float("inf")
+    before = snapshot(model, optimizer)
+    _, overflow, scale = step(x, y)
+    assert overflow, f"rank {rank} did not see rank 1's overflow"
+    assert manager.get_loss_scale() == scale / 2
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model, optimizer)))
+    assert not step(*batch(rank, 5))[1]
+    assert_same_on_every_rank(model)
+
+
+def check_converted_module_in_ddp_plain_loop(rank):
+    model = make_model()
+    ddp = DistributedDataParallel(convert(model, "O2", dtype=torch.bfloat16))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    manager = DynamicLossScaleManager(init_loss_scale=2 ** 8, scale_window=100)
+    for index in range(6):
+        x, y = batch(rank, index)
+        optimizer.zero_grad()
+        manager.scale(nn.functional.cross_entropy(ddp(x), y)).backward()
+        if index == 3 and rank == 1:
+            # After DDP's all-reduce: an overflow only this rank sees; the manager shares the flag.
+            next(ddp.parameters()).grad[0, 0] = float("nan")
+            before = snapshot(model, optimizer)
+        if index == 3 and rank == 0:
+            before = snapshot(model, optimizer)
+        manager.step(optimizer)
+        manager.update()
+        assert manager.last_overflow == (index == 3), f"rank {rank} step {index}"
+        if index == 3:
+            assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model, optimizer)))
+    assert manager.get_loss_scale() == 2 ** 7
+    assert_same_on_every_rank(model)
+
+
+def worker(rank, port):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        check_build_train_network(rank)
+        check_converted_module_in_ddp_plain_loop(rank)
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_train_identically_and_skip_overflow_together():
+    mp.spawn(worker, args=(free_port(),), nprocs=WORLD_SIZE, join=True)
