@@ -50,7 +50,7 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
     args = args if isinstance(args, tuple) else (args,)
     config = make_config(level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
     gm = convert(model, level, example_inputs=args, dtype=dtype, keep_io_types=keep_io_types, **overrides)
-    kept, notes = _weights_beyond_fp16(gm) if config.low_dtype == torch.float16 else ({}, [])
+    kept, notes = _weights_beyond_fp16(gm) if config.low_dtype == torch.float16 else ((), [])
     if kept:
         force = (*_as_tuple(overrides.pop("force_fp32", ())), *kept)
         gm = convert(model, level, example_inputs=args, dtype=dtype, keep_io_types=keep_io_types,

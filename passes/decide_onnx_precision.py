@@ -68,7 +68,7 @@ def _build_view(nodes: list[ir.Node], rules: PrecisionRules, blocked: dict, out_
         amp = node.meta["amp"]
         if amp["class"] not in PAINTABLE:
             continue
-        # Precedence: the call's block lists, then the user's patterns, then the range guard.
+        # Precedence: what cannot run low and the call's block lists, the user's patterns, the range guard.
         by_pattern = rules.forced(amp["module"], node.name)
         if node in blocked:
             forced = ("fp32", blocked[node])
@@ -138,8 +138,7 @@ def _out_of_range_constants(model: ir.Model):
             tensor = _constant_tensor(value)
             if tensor is None or tensor.size == 0:
                 continue
-            array = np.abs(tensor.numpy().astype(np.float32))
-            peak = float(array[np.isfinite(array)].max(initial=0.0))
+            peak = _finite_peak(tensor.numpy())
             if peak > FP16_MAX:
                 yield value, peak
 
@@ -150,3 +149,12 @@ def _constant_tensor(value: ir.Value):
         fill = producer.attributes.get("value")
         return fill.as_tensor() if fill is not None else None
     return ir.convenience.get_const_tensor(value)
+
+
+def _finite_peak(array: np.ndarray) -> float:
+    """max |x| over the finite values; two reductions, no copy, unless the tensor holds inf or nan."""
+    peak = max(abs(float(array.max())), abs(float(array.min())))
+    if np.isfinite(peak):
+        return peak
+    finite = np.abs(array[np.isfinite(array)])
+    return float(finite.max()) if finite.size else 0.0

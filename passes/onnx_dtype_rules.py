@@ -67,12 +67,10 @@ def is_onnx_op(node: ir.Node, *op_types: str) -> bool:
     return node.domain in ("", "ai.onnx") and node.op_type in op_types
 
 
-def has_subgraphs(node: ir.Node) -> bool:
-    return any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values())
-
-
 def subgraphs_of(node: ir.Node) -> list[ir.Graph]:
     graphs: list[ir.Graph] = []
+    if not node.attributes:   # most nodes: nothing to look at
+        return graphs
     for attr in node.attributes.values():
         if attr.type == ir.AttributeType.GRAPH:
             graphs.append(attr.as_graph())
@@ -129,23 +127,27 @@ def low_precision_blocker(node: ir.Node, low: ir.DataType, opset: int) -> str | 
     if low == ir.DataType.FLOAT16 and reduction is not None and \
             (node.op_type, reduction.as_string()) in ORT_REFUSES_FLOAT16:
         return f"ONNX Runtime has no float16 {node.op_type} kernel with reduction='{reduction.as_string()}'"
-    allowed = _schema_types(node.op_type, opset)
-    if allowed is None:
-        return None
     for index, value in enumerate(node.inputs):
-        if is_float_value(value) and input_role(node, index) == "data":
-            types = allowed[min(index, len(allowed) - 1)] if allowed else None
-            if types is not None and _TYPE_STRINGS[low] not in types:
-                return f"the ONNX schema of {node.op_type} takes no {_TYPE_STRINGS[low]} for input {index}"
+        formal = schema_input(node.op_type, opset, index)
+        if formal is not None and is_float_value(value) and input_role(node, index) == "data" and \
+                _TYPE_STRINGS[low] not in formal[1]:
+            return f"the ONNX schema of {node.op_type} takes no {_TYPE_STRINGS[low]} for input {index}"
     return None
 
 
+def schema_input(op_type: str, opset: int, index: int) -> tuple[str | None, frozenset] | None:
+    """(type parameter such as 'T' or None when spelled out, allowed tensor types) of input `index` of a
+    default-domain op; None when onnx has no schema for it. Variadic inputs repeat the last parameter."""
+    formals = _schema_inputs(op_type, opset)
+    return formals[min(index, len(formals) - 1)] if formals else None
+
+
 @lru_cache(maxsize=None)
-def _schema_types(op_type: str, opset: int):
-    """Per formal input, the tensor types the schema allows; None when onnx has no schema for the op."""
+def _schema_inputs(op_type: str, opset: int) -> tuple | None:
     try:
         schema = onnx.defs.get_schema(op_type, opset, "")
     except onnx.defs.SchemaError:
         return None
     constraints = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
-    return tuple(constraints.get(i.type_str, frozenset({i.type_str})) for i in schema.inputs)
+    return tuple((i.type_str if i.type_str in constraints else None,
+                  constraints.get(i.type_str, frozenset({i.type_str}))) for i in schema.inputs)

@@ -12,14 +12,12 @@ Only the export path needs this; convert_onnx builds consistent types by constru
 from __future__ import annotations
 
 from collections import defaultdict
-from functools import lru_cache
 
-import onnx
 import onnx_ir as ir
 
 from passes.onnx_canonicalize import all_nodes
 from passes.onnx_cast_nodes import UniqueNames, make_cast
-from passes.onnx_dtype_rules import is_float_value
+from passes.onnx_dtype_rules import is_float_value, schema_input
 from passes.pass_result import PassResult
 
 
@@ -47,22 +45,9 @@ def unify_onnx_input_types(model: ir.Model) -> PassResult:
 
 
 def _type_groups(op_type: str, opset: int, arity: int) -> list[list[int]]:
-    params = _input_type_params(op_type, opset)
     groups: dict[str, list[int]] = defaultdict(list)
     for index in range(arity):
-        if params:
-            param = params[min(index, len(params) - 1)]   # variadic inputs repeat the last parameter
-            if param is not None:
-                groups[param].append(index)
+        formal = schema_input(op_type, opset, index)
+        if formal is not None and formal[0] is not None:
+            groups[formal[0]].append(index)
     return [g for g in groups.values() if len(g) > 1]
-
-
-@lru_cache(maxsize=None)
-def _input_type_params(op_type: str, opset: int) -> tuple | None:
-    """Per formal input, its type parameter ('T'), or None when its type is spelled out (tensor(int64))."""
-    try:
-        schema = onnx.defs.get_schema(op_type, opset, "")
-    except onnx.defs.SchemaError:
-        return None
-    constrained = {c.type_param_str for c in schema.type_constraints}
-    return tuple(i.type_str if i.type_str in constrained else None for i in schema.inputs)

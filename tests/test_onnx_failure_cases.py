@@ -126,7 +126,8 @@ def random_ops_model():
              helper.make_node("Add", ["uo", "h"], ["y"], name="sum")]
     return make_model(nodes, [tensor_input("x", F32, [2, 4])], [tensor_input("y", F32, [2, 4])],
                       [initializer("w", weights(4, 4)), initializer("w0", weights(4, 4)),
-                       initializer("shape", np.array([4, 4], np.int64)), initializer("square", np.zeros((4, 4), np.float32))])
+                       initializer("shape", np.array([4, 4], np.int64)),
+                       initializer("square", np.zeros((4, 4), np.float32))])
 
 
 def test_random_op_dtype_attributes_follow_the_conversion(tmp_path):
@@ -150,7 +151,8 @@ def shared_initializer_model():
              helper.make_node("Add", ["x", "b"], ["xb"], name="add_bias"),
              helper.make_node("LayerNormalization", ["xb", "gamma", "b"], ["n"], name="norm"),
              helper.make_node("Add", ["h", "n"], ["y"], name="sum")]
-    inits = [initializer("w", weights(4, 4)), initializer("b", weights(4)), initializer("gamma", np.ones(4, np.float32))]
+    inits = [initializer("w", weights(4, 4)), initializer("b", weights(4)),
+             initializer("gamma", np.ones(4, np.float32))]
     return make_model(nodes, [tensor_input("x", F32, [2, 4])], [tensor_input("y", F32, [2, 4])], inits)
 
 

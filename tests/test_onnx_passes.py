@@ -8,7 +8,7 @@ from onnx import helper
 
 from amp_compiler import make_config
 from amp_compiler.onnx_convert import run_onnx_pipeline
-from onnx_testing import BOOL, F16, F32, I64, initializer, make_model, run, save, tensor_input
+from onnx_testing import F16, F32, I64, initializer, make_model, run, tensor_input
 from passes.decide_onnx_precision import decide_onnx_precision
 from passes.fold_onnx_casts import fold_onnx_casts
 from passes.infer_onnx_types import infer_onnx_types
