@@ -3,10 +3,6 @@ from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert import convert
 from amp_compiler.frontend import TracingError
 from amp_compiler.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
-from amp_compiler.onnx_convert import convert_onnx
-from amp_compiler.onnx_export import export_onnx
-from amp_compiler.onnx_report import OnnxConversionReport
-from amp_compiler.onnx_validate import ValidationReport, validate_onnx
 from amp_compiler.report import PrecisionReport, explain
 from amp_compiler.train import TrainStep, build_train_network
 from passes.op_policy import default_lists
@@ -17,3 +13,20 @@ __all__ += ["LossScaleManager", "FixedLossScaleManager", "DynamicLossScaleManage
             "TrainStep"]
 __all__ += ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionReport", "ValidationReport"]
 __version__ = "0.1.0"
+
+# The ONNX names load onnx, onnx_ir and onnxruntime on first use, not with the package (PEP 562).
+_ONNX_NAMES = {"export_onnx": "onnx_export", "convert_onnx": "onnx_convert", "validate_onnx": "onnx_validate",
+               "OnnxConversionReport": "onnx_report", "ValidationReport": "onnx_validate"}
+
+
+def __getattr__(name: str):
+    if name in _ONNX_NAMES:
+        import importlib
+        value = getattr(importlib.import_module(f"amp_compiler.{_ONNX_NAMES[name]}"), name)
+        globals()[name] = value   # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'amp_compiler' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,7 +1,8 @@
 """convert_onnx(): an existing fp32 ONNX file to mixed precision, with the rules convert() uses for training.
 
     load -> unique names -> sort -> canonicalize -> type the source -> strip float casts -> decide
-         -> insert casts -> fold casts -> (lower graph inputs) -> re-infer types -> sort -> save
+         -> store moved weights low -> insert casts -> fold casts -> (lower graph inputs) -> re-infer types
+         -> sort -> save
 
 The same policy table (passes/op_policy.py), the same PrecisionRules and the same paint_precision decide;
 only the view builder and the rewrite are ONNX-specific.
@@ -25,6 +26,7 @@ from passes.insert_onnx_casts import insert_onnx_casts
 from passes.lower_onnx_graph_inputs import lower_onnx_graph_inputs
 from passes.onnx_canonicalize import onnx_canonicalize
 from passes.pass_result import PassResult
+from passes.store_moved_onnx_weights_low import store_moved_onnx_weights_low
 from passes.strip_onnx_float_casts import strip_onnx_float_casts
 from passes.unique_onnx_names import unique_onnx_names
 
@@ -69,6 +71,7 @@ def run_onnx_pipeline(model: ir.Model, config: AmpConfig, *, op_block_list=(), n
         lambda: strip_onnx_float_casts(model),        # records source dtypes, then lets painting decide
         lambda: decide_onnx_precision(model, config.precision_rules(), low, op_block_list=op_block_list,
                                       node_block_list=node_block_list),
+        lambda: store_moved_onnx_weights_low(model, low),   # after painting: it revisits fp32 data movement
         lambda: insert_onnx_casts(model, low, config.keep_io_types),
         lambda: fold_onnx_casts(model),               # after insertion: weights, constants, chains, duplicates
         lambda: lower_onnx_graph_inputs(model, low) if not config.keep_io_types else PassResult(model, False),

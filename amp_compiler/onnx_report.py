@@ -2,6 +2,7 @@
 
     amp-compiler onnx: model.onnx -> model_fp16.onnx, level O1, float16, keep_io_types=True
     nodes: 41 float16, 12 float32; casts: 9 (source had 0); weights: 1.20 MB -> 0.61 MB; 0.08 s
+    weights only moved by fp32 ops (embedding tables...): 1 stored in float16, their movers run low with one Cast up
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ class OnnxConversionReport:
                  f"nodes: {per}; casts: {self.casts} (source had {self.casts_in_source}); weights: "
                  f"{self.weight_bytes_before / 1e6:.2f} MB -> {self.weight_bytes_after / 1e6:.2f} MB; "
                  f"{self.seconds:.2f} s"]
+        moved = self.pass_counts.get("moved_weights_stored_low", 0)
+        if moved:
+            lines.append(f"weights only moved by fp32 ops (embedding tables...): {moved} stored in {self.dtype}, "
+                         "their movers run low with one Cast up")
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 

@@ -1,6 +1,6 @@
 """Decide a precision for every ONNX node with the fx side's rules and painting, on a view of the ONNX graph.
 
-    node.meta["amp"] += {class, family, reason, precision: "low"|"fp32"|None, rule}
+    node.meta["amp"] += {class, family, reason, precision: "low"|"fp32"|None, rule, forced}
 
 The view has one vertex per node that computes on fp32/fp16/bf16 tensors, keyed by node name, and an edge
 per float data value from producer to reader. A value read inside an If branch links its outer producer
@@ -56,7 +56,9 @@ def decide_onnx_precision(model: ir.Model, rules: PrecisionRules, low: ir.DataTy
     for node in nodes:
         amp = node.meta["amp"]
         if node.name in view:
-            amp["precision"], amp["rule"] = view.nodes[node.name]["precision"], view.nodes[node.name]["rule"]
+            painted = view.nodes[node.name]
+            amp["precision"], amp["rule"] = painted["precision"], painted["rule"]
+            amp["forced"] = painted["forced"] is not None   # later passes never overturn a forced precision
         else:
             amp["precision"], amp["rule"] = None, amp["reason"]
     return PassResult(model, modified=False, counts={"nodes_low": counts["low"], "nodes_fp32": counts["fp32"]})

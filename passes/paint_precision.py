@@ -24,7 +24,8 @@ FOLLOWERS = ("infer", "clear")
 
 def paint_precision(view: nx.DiGraph, *, bf16: bool) -> dict[str, int]:
     nodes = [n for n, a in view.nodes(data=True) if a["cls"] in PAINTABLE]
-    graph = view.subgraph(nodes)
+    # A subgraph view filters every neighbour lookup: walk the view itself when nothing is left out (ONNX).
+    graph = view if len(nodes) == view.number_of_nodes() else view.subgraph(nodes)
     cls = {n: view.nodes[n]["cls"] for n in nodes}
     precision: dict = {}
     rule: dict = {}

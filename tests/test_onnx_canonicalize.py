@@ -55,3 +55,9 @@ def test_module_path_comes_from_the_torch_exporter_scopes():
     exported.metadata_props["pkg.torch.onnx.name_scopes"] = "['layers.0', 'layers.0.attention.query', 'linear']"
     assert module_path(exported) == "layers.0.attention.query"
     assert module_path(node("MatMul")) == ""
+    quoted = node("MatMul")   # a module name with a quote: repr switches quote style, the slow parser reads it
+    quoted.metadata_props["pkg.torch.onnx.name_scopes"] = """['', "blocks.it's", 'linear']"""
+    assert module_path(quoted) == "blocks.it's"
+    garbled = node("MatMul")
+    garbled.metadata_props["pkg.torch.onnx.name_scopes"] = "['layers.0', 'linear'"
+    assert module_path(garbled) == ""

@@ -150,6 +150,33 @@ def test_infer_refuses_a_rewrite_that_onnx_types_differently():
         infer_onnx_types(model, verify_rewrite=True)
 
 
+def test_infer_names_the_node_onnx_cannot_type():
+    model = ir_model([helper.make_node("Add", ["x", "h"], ["y"], name="mixed_add")],
+                     [tensor_input("x", F32, [2]), tensor_input("h", F32, [2])], [tensor_input("y", F32, [2])])
+    model.graph.inputs[1].type = ir.TensorType(D.FLOAT16)                    # a rewrite that forgot a Cast
+    with pytest.raises(RuntimeError, match="ONNX type inference failed on the rewritten model: .*mixed_add"):
+        infer_onnx_types(model, verify_rewrite=True)
+
+
+def test_infer_hands_large_weights_to_onnx_without_their_bytes():
+    """Weights above 1 KB reach onnx as typed inputs (a 2 GB model must not be serialized whole); data
+    propagation never reads them, and the model gets its initializers back unchanged and in order."""
+    ids = np.arange(300, dtype=np.int64)                    # 2400 bytes: Unsqueeze would propagate its data
+    model = ir_model([helper.make_node("Unsqueeze", ["ids", "axes"], ["ids2"], name="unsqueeze"),
+                      helper.make_node("Cast", ["ids2"], ["idsf"], to=F32, name="to_float"),
+                      helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+                      helper.make_node("Add", ["h", "idsf"], ["y"], name="add")],
+                     [tensor_input("x", F32, [1, 300])], [tensor_input("y", F32, None)],
+                     [initializer("ids", ids), initializer("axes", np.array([0], np.int64)),
+                      initializer("w", np.ones((300, 300), np.float32))])
+    before = [(name, v.const_value) for name, v in model.graph.initializers.items()]
+    assert infer_onnx_types(model, verify_rewrite=True).counts == {"values_typed_without_schema": 0}
+    assert [(name, v.const_value) for name, v in model.graph.initializers.items()] == before
+    assert [v.name for v in model.graph.inputs] == ["x"]
+    assert model.graph.node("unsqueeze").outputs[0].shape == ir.Shape([1, 300])
+    assert model.graph.outputs[0].shape == ir.Shape([1, 300])    # an undeclared output shape is filled in
+
+
 def test_unique_names_keep_the_interface_and_are_stable():
     model = ir_model([helper.make_node("Relu", ["x"], ["y1"]), helper.make_node("Relu", ["x"], ["y2"])],
                      [tensor_input("x", F32, [2])], [tensor_input("y1", F32, [2]), tensor_input("y2", F32, [2])])

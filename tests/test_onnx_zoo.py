@@ -65,6 +65,16 @@ def test_weights_are_stored_in_fp16(zoo, level, entry):
     assert report.weight_bytes_after < report.weight_bytes_before
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_converted_embedding_tables_are_stored_in_fp16(zoo, level):
+    """Also at O1, where the lookup feeds an fp32 LayerNorm: the Gather runs low, its rows are cast up."""
+    model = onnx.load(zoo.outputs["convert", level][0])
+    stored = {t.name: t.data_type for t in model.graph.initializer}
+    tables = [n.input[0] for n in model.graph.node if n.op_type == "Gather" and n.input[0] in stored]
+    assert bool(tables) == (zoo.name in ("bert", "gpt"))
+    assert all(stored[t] == F16 for t in tables)
+
+
 @pytest.mark.parametrize("entry", ["export", "convert"])
 def test_o1_keeps_norms_softmax_and_reductions_fp32(zoo, entry):
     path, _ = zoo.outputs[entry, "O1"]
