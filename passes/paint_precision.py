@@ -75,9 +75,11 @@ def paint_precision(view: nx.DiGraph, *, bf16: bool) -> dict[str, int]:
         if n not in precision:
             paint(n, LOW, "clear: joined to a low-precision neighbour")
 
+    leftover = {"infer": "infer: not between low-precision ops, so fp32",
+                "clear": "clear: not joined to a low-precision op, so fp32"}
     for n in nodes:  # 8
         if n not in precision:
-            paint(n, FP32, f"{cls[n]}: inputs and neighbours are fp32")
+            paint(n, FP32, leftover[cls[n]])
 
     nx.set_node_attributes(view, precision, "precision")
     nx.set_node_attributes(view, rule, "rule")
