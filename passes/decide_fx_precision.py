@@ -68,6 +68,7 @@ def decide_fx_precision(gm: fx.GraphModule, rules: PrecisionRules) -> PassResult
         if node.name in view:
             amp["precision"] = view.nodes[node.name]["precision"]
             amp["rule"] = view.nodes[node.name]["rule"]
+            amp["fp32_weights"] = amp["precision"] == "low" and rules.keeps_fp32_weights(amp["op"])
         else:
             amp["precision"] = None
             amp["rule"] = amp["reason"]

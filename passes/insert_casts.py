@@ -69,6 +69,8 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
             precision = amp.get("precision")
             want = {"low": low, "fp32": torch.float32}.get(precision)
             operands = list(node.all_input_nodes)
+            if amp.get("fp32_weights"):  # mixed norm kernel: parameters and statistics are read in fp32
+                operands = [v for v in operands if v.op != "get_attr"]
         if not is_float(want):
             continue
         for value in operands:

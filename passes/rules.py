@@ -17,6 +17,10 @@ USER_CLASSES = ("allow", "deny", "infer", "clear")
 # Families that O2 keeps in fp32 (Apex keep_batchnorm_fp32, MindSpore's O2), and that losses always keep.
 O2_FP32_FAMILIES = ("norm",)
 LOSS_FAMILIES = ("loss",)
+# Norm kernels that take low-precision activations with fp32 weights and accumulate their statistics in
+# fp32 (cuDNN/ATen "mixed" kernels, what Apex's O2 relies on): at O2/O3 with keep_batchnorm_fp32 they
+# keep fp32 weights and statistics without casting the activations up and back down.
+MIXED_KERNEL_NORMS = ("batch_norm", "layer_norm", "group_norm")
 
 
 def _level_class(rule: OpRule, level: str, keep_norm_fp32: bool) -> tuple[str, str]:
@@ -26,6 +30,9 @@ def _level_class(rule: OpRule, level: str, keep_norm_fp32: bool) -> tuple[str, s
     if rule.family in LOSS_FAMILIES and level == "O2":
         return "deny", f"{level}: losses stay fp32 ({rule.reason})"
     if rule.family in O2_FP32_FAMILIES and keep_norm_fp32:
+        if rule.op in MIXED_KERNEL_NORMS:
+            return "allow", (f"{level}: fp32 weights and statistics on low-precision activations (the kernel "
+                             "accumulates in fp32; keep_batchnorm_fp32=True)")
         return "deny", f"{level}: norms stay fp32 (keep_batchnorm_fp32=True)"
     return "allow", f"{level}: everything runs in low precision"
 
@@ -37,6 +44,7 @@ class PrecisionRules:
     table: dict[str, tuple[str, str, str]]   # op -> (class, family, reason)
     force_fp32: tuple[str, ...] = ()
     force_low: tuple[str, ...] = ()
+    keep_norm_fp32: bool = True
     matched_patterns: set[str] = field(default_factory=set)
 
     @classmethod
@@ -64,13 +72,17 @@ class PrecisionRules:
         both = set(force_fp32) & set(force_low)
         if both:
             raise ValueError(f"pattern(s) {sorted(both)} are in both force_fp32 and force_low: pick one")
-        return cls(level, low_dtype, table, force_fp32, force_low)
+        return cls(level, low_dtype, table, force_fp32, force_low, keep_norm_fp32)
 
     def classify(self, op: str) -> tuple[str, str, str]:
         """(class, family, reason); an op the table does not know is denied and reported as unknown."""
         if op in self.table:
             return self.table[op]
         return "deny", "unknown", f"unknown op {op!r}: kept fp32 (add it to allow_ops/infer_ops/clear_ops)"
+
+    def keeps_fp32_weights(self, op: str) -> bool:
+        """Whether a low-precision `op` reads its weights in fp32 (a mixed norm kernel at O2/O3)."""
+        return self.level in ("O2", "O3") and self.keep_norm_fp32 and op in MIXED_KERNEL_NORMS
 
     def forced(self, module_path: str, node_name: str) -> tuple[str, str] | None:
         """('fp32'|'low', rule text) when a force_* pattern names this node or a module around it."""

@@ -65,14 +65,23 @@ def test_o0_changes_nothing(net):
     assert torch.equal(gm(X), net(X))
 
 
-def test_o2_keeps_only_norms_fp32_and_o3_keeps_nothing_fp32(net):
-    o2 = precision_by_op(convert(net, "O2"))
+def test_o2_keeps_norm_weights_and_statistics_fp32_and_o3_lowers_everything(net):
+    gm = convert(net, "O2")
+    o2 = precision_by_op(gm)
     assert o2["softmax"] == o2["gelu"] == o2["linear"] == {"low"}
-    assert o2["layer_norm"] == o2["batch_norm"] == {"fp32"}
+    # Norms run on low-precision activations with fp32 weights and fp32 statistics (mixed kernels):
+    # no cast of the activations up and back down, and no cast of their parameters.
+    assert o2["layer_norm"] == o2["batch_norm"] == {"low"}
+    norm_rows = [r for r in explain(gm).rows if r["op"] in ("layer_norm", "batch_norm")]
+    assert all("fp32 weights and statistics" in r["rule"] for r in norm_rows)
+    assert not [c for c in cast_nodes(gm) if c.args[0].op == "get_attr" and "norm" in c.args[0].target]
     o3 = precision_by_op(convert(net, "O3"))
     assert all(p == {"low"} for p in o3.values())
+    rms = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8), nn.Linear(8, 8))  # no mixed kernel: fp32 with casts
+    assert precision_by_op(convert(rms, "O2"))["rms_norm"] == {"fp32"}
     assert precision_by_op(convert(net, "O2", keep_batchnorm_fp32=False))["batch_norm"] == {"low"}
-    assert precision_by_op(convert(net, "O3", keep_batchnorm_fp32=True))["layer_norm"] == {"fp32"}
+    o3_kept = convert(net, "O3", keep_batchnorm_fp32=True)
+    assert "fp32 weights and statistics" in next(r["rule"] for r in explain(o3_kept).rows if r["op"] == "layer_norm")
 
 
 def test_losses_stay_fp32_at_o2():

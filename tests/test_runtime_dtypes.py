@@ -39,6 +39,18 @@ def test_o0_runs_everything_fp32():
     assert recorder.input_dtypes(*MATMUL_CONV, *NORM_SOFTMAX_LOSS) == {torch.float32}
 
 
+@pytest.mark.parametrize("name, norm_ops", [("resnet", ("native_batch_norm", "_native_batch_norm_legit")),
+                                             ("bert", ("native_layer_norm",))])
+def test_o2_norms_read_low_activations_with_fp32_weights(name, norm_ops):
+    task = build(name, size="small")
+    gm = convert(task.model, "O2", dtype=torch.bfloat16)
+    recorder = AtenDtypeRecorder()
+    with recorder:
+        gm(*task.example_inputs)
+    calls = [dtypes for op in norm_ops for dtypes in recorder.calls.get(op, [])]
+    assert calls and all(d[0] == torch.bfloat16 and set(d[1:]) == {torch.float32} for d in calls)
+
+
 def test_o3_runs_norms_low_too():
     task = build("resnet", size="small")
     gm = convert(task.model, "O3", dtype=torch.bfloat16)
