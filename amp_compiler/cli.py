@@ -25,6 +25,7 @@ def _import_zoo():
 
 def run_demo(args) -> int:
     import amp_compiler
+    from amp_compiler.train import demo_training
 
     zoo = _import_zoo()
     task = zoo.build(args.model, size="small", seed=0)
@@ -42,11 +43,11 @@ def run_demo(args) -> int:
     scale = reference.abs().max().item()
     print(f"casts inserted: {report.totals['casts']}; max |mixed - fp32| = {error:.3g} "
           f"(output magnitude {scale:.3g}, relative {error / max(scale, 1e-12):.2%})")
-    train = getattr(amp_compiler, "train", None)
-    if train is not None and hasattr(train, "demo_training") and args.steps > 0:
-        print(f"== train {args.model} at O2, {args.dtype}, {args.steps} steps ==", flush=True)
+    if args.steps > 0:
+        train_dtype = amp_compiler.config.resolve_dtype(args.train_dtype)
+        print(f"== train {args.model} at O2, {args.train_dtype}, {args.steps} steps ==", flush=True)
         task = zoo.build(args.model, size="small", seed=0)
-        rows = train.demo_training(task, steps=args.steps, level="O2", dtype=dtype)
+        rows = demo_training(task, steps=args.steps, level="O2", dtype=train_dtype)
         skipped = 0
         for step, loss, scale, overflow in rows:
             skipped += bool(overflow)
@@ -63,15 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="bert", help="zoo model: mlp, resnet, bert, gpt, gcn, gat")
     demo.add_argument("--dtype", default="bfloat16" if not torch.cuda.is_available() else "float16",
                       help="low precision dtype (default: bfloat16 on CPU, float16 with CUDA)")
-    demo.add_argument("--steps", type=int, default=5, help="training steps at O2 (0 to skip)")
+    demo.add_argument("--steps", type=int, default=12, help="training steps at O2 (0 to skip)")
+    demo.add_argument("--train-dtype", default="float16",
+                      help="dtype of the O2 training steps (default float16: shows dynamic loss scaling)")
     demo.set_defaults(func=run_demo)
-    try:
-        from amp_compiler import onnx_cli
-    except ImportError:
-        onnx_cli = None
-    if onnx_cli is not None:
-        onnx_cli.add_export_parser(sub)
-        onnx_cli.add_convert_onnx_parser(sub)
+    from amp_compiler import onnx_cli
+
+    onnx_cli.add_export_parser(sub)
+    onnx_cli.add_convert_onnx_parser(sub)
     return parser
 
 

@@ -13,6 +13,7 @@ every rank skips the same steps (as MindSpore's train cell does).
 """
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -24,7 +25,7 @@ MAX_CONSECUTIVE_OVERFLOWS = 1000
 FP32_MAX = torch.finfo(torch.float32).max
 
 
-class LossScaleManager:
+class LossScaleManager(abc.ABC):
     """A loss scale and the rule that updates it, plus GradScaler's plain-loop API on top of them.
 
     Subclasses implement `get_loss_scale`, `update_loss_scale`, `get_drop_overflow_update` and the
@@ -37,14 +38,17 @@ class LossScaleManager:
         self.last_overflow = False
 
     # --- the seeds' API ---------------------------------------------------------------------------
+    @abc.abstractmethod
     def get_loss_scale(self) -> float:
-        raise NotImplementedError
+        """The scale the next step multiplies the loss by."""
 
+    @abc.abstractmethod
     def update_loss_scale(self, overflow: bool) -> None:
-        raise NotImplementedError
+        """Apply the rule after a step that did (not) overflow."""
 
+    @abc.abstractmethod
     def get_drop_overflow_update(self) -> bool:
-        raise NotImplementedError
+        """Whether a step whose gradients overflowed is skipped."""
 
     # --- GradScaler-style API for a plain loop -----------------------------------------------------
     def scale(self, outputs):
@@ -119,11 +123,13 @@ class LossScaleManager:
         self._load_rule_state(state)
         self._optimizer_states.clear()
 
+    @abc.abstractmethod
     def _rule_state(self) -> dict:
-        raise NotImplementedError
+        """The rule's own state, for state_dict()."""
 
+    @abc.abstractmethod
     def _load_rule_state(self, state: dict) -> None:
-        raise NotImplementedError
+        """Restore what _rule_state() returned."""
 
     def _state_of(self, optimizer) -> dict[str, bool]:
         if not isinstance(optimizer, torch.optim.Optimizer):
