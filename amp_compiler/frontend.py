@@ -46,9 +46,10 @@ class AmpTracer(fx.Tracer):
 def share_module_tree(module: nn.Module) -> nn.Module:
     """A copy of the module tree whose parameters and buffers are the original's tensors."""
     clone = copy.copy(module)
-    clone.__dict__ = dict(module.__dict__)
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
+    # Containers (parameter/buffer/hook dicts, the non-persistent buffer set) are copied so nothing done
+    # to the clone reaches the user's module; the tensors inside are shared.
+    clone.__dict__ = {name: copy.copy(value) if isinstance(value, (dict, set)) else value
+                      for name, value in module.__dict__.items()}
     clone._modules = {name: share_module_tree(child) if child is not None else None
                       for name, child in module._modules.items()}
     return clone

@@ -43,7 +43,7 @@ ALIASES = {
     "upsample_nearest2d_vec": "upsample_nearest2d", "upsample_bilinear2d_vec": "upsample_bilinear2d",
     "pos": "identity", "contiguous_format": "contiguous",
     "scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
-    "getitem": "getitem", "adaptive_avg_pool2d": "adaptive_avg_pool2d", "mean_dim": "mean",
+    "mean_dim": "mean",
     "copy": "clone", "lift_fresh_copy": "clone", "expand_copy": "expand", "view_copy": "view",
     "permute_copy": "permute", "transpose_copy": "transpose", "slice_copy": "slice",
     "select_copy": "select", "squeeze_copy": "squeeze", "unsqueeze_copy": "unsqueeze",

@@ -33,6 +33,24 @@ def _computes_on_floats(node: fx.Node) -> bool:
         is_float(node.meta["amp"].get("dtype"))
 
 
+FP16_MAX = 65504.0
+
+
+def _out_of_fp16_range(node: fx.Node) -> float | None:
+    """A Python number argument fp16 cannot hold (masked_fill(-1e9), x * 1e5), else None. Integer
+    arguments of data-movement ops are sizes and dims, not values."""
+    leaves: list = []
+    fx.node.map_aggregate((node.args, node.kwargs), leaves.append)
+    for value in leaves:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, int) and node.meta["amp"].get("family") == "shape":
+            continue
+        if abs(value) > FP16_MAX and abs(value) != float("inf"):
+            return value
+    return None
+
+
 def build_view(gm: fx.GraphModule, rules: PrecisionRules) -> nx.DiGraph:
     view = nx.DiGraph()
     for node in gm.graph.nodes:
@@ -50,8 +68,11 @@ def build_view(gm: fx.GraphModule, rules: PrecisionRules) -> nx.DiGraph:
             amp["class"], amp["reason"] = "ignore", "no fp32/fp16/bf16 operand (int, bool or fp64): untouched"
         if amp["class"] == "ignore":
             continue
-        view.add_node(node.name, cls=amp["class"], reason=amp["reason"],
-                      forced=rules.forced(amp["module"], node.name))
+        forced = rules.forced(amp["module"], node.name)
+        big = _out_of_fp16_range(node) if rules.low_dtype == "float16" and forced is None else None
+        if big is not None:
+            forced = ("fp32", f"{amp['class']}: reads the constant {big:g}, beyond fp16's 65504: kept fp32")
+        view.add_node(node.name, cls=amp["class"], reason=amp["reason"], forced=forced)
     for node in gm.graph.nodes:
         for user in node.users:
             if node.name in view and user.name in view:

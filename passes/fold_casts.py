@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from passes.insert_casts import is_cast
+from passes.insert_casts import is_cast, written_value
 from passes.pass_result import PassResult
 
 
 def fold_casts(gm: fx.GraphModule) -> PassResult:
     graph, removed = gm.graph, 0
-    seen: dict[tuple[fx.Node, object], fx.Node] = {}
+    seen: dict[tuple[fx.Node, object, int], fx.Node] = {}
+    writes: dict[fx.Node, int] = {}  # a cast made before an in-place write is not a duplicate of one after
     for node in list(graph.nodes):
+        written = written_value(node)
+        if written is not None:
+            writes[written] = writes.get(written, 0) + 1
         if not is_cast(node):
             continue
         source, dtype = node.args
@@ -25,11 +29,12 @@ def fold_casts(gm: fx.GraphModule) -> PassResult:
         if source is not node.args[0]:
             node.args = (source, dtype)
         source_dtype = source.meta.get("amp", {}).get("dtype")
-        replacement = source if source_dtype == dtype else seen.get((source, dtype))
+        key = (source, dtype, writes.get(source, 0))
+        replacement = source if source_dtype == dtype else seen.get(key)
         if replacement is not None:
             node.replace_all_uses_with(replacement)
         else:
-            seen[(source, dtype)] = node
+            seen[key] = node
     for node in reversed(list(graph.nodes)):
         if is_cast(node) and not node.users:
             graph.erase_node(node)

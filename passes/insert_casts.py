@@ -17,13 +17,13 @@ from passes.pass_result import PassResult
 
 @torch.fx.wrap
 def amp_cast(value, dtype: torch.dtype):
-    """Cast fp32/fp16/bf16 tensors (also inside tuples/lists) to `dtype`; anything else passes through."""
+    """Cast fp32/fp16/bf16 tensors (also inside tuples, lists, dicts) to `dtype`; the rest passes through."""
     if isinstance(value, torch.Tensor):
         if value.dtype != dtype and value.dtype in (torch.float32, torch.float16, torch.bfloat16):
             return value.to(dtype)
         return value
-    if isinstance(value, (tuple, list)):
-        return type(value)(amp_cast(v, dtype) for v in value)
+    if isinstance(value, (tuple, list, dict)):
+        return torch.utils._pytree.tree_map(lambda leaf: amp_cast(leaf, dtype), value)
     return value
 
 
@@ -31,12 +31,19 @@ def is_cast(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is amp_cast
 
 
+def written_value(node: fx.Node) -> fx.Node | None:
+    """The value an in-place op writes (its first argument), else None."""
+    if node.meta.get("amp", {}).get("inplace") and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None
+
+
 def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, why: str) -> fx.Node:
     cast = graph.call_function(amp_cast, (value, dtype))
     cast.meta["amp_role"] = "cast"
     cast.meta["amp"] = {"op": "cast", "class": "cast", "precision": None, "dtype": dtype,
                         "module": value.meta.get("amp", {}).get("module", ""), "rule": why}
-    cast.name = f"{value.name}_{str(dtype).removeprefix('torch.')}"
+    cast._rename(f"{value.name}_{str(dtype).removeprefix('torch.')}")  # unique within the graph
     return cast
 
 
@@ -59,12 +66,12 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
 
     for node in list(graph.nodes):
         amp = node.meta.get("amp", {})
+        target = written_value(node)
+        if target is not None:
+            writes[target] = writes.get(target, 0) + 1
         if amp.get("family") == "inplace":  # operands follow the written tensor, which is never cast
-            target = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
             want = target.meta.get("amp", {}).get("dtype") if target is not None else None
             operands = [v for v in node.all_input_nodes if v is not target]
-            if target is not None:
-                writes[target] = writes.get(target, 0) + 1
         else:
             precision = amp.get("precision")
             want = {"low": low, "fp32": torch.float32}.get(precision)

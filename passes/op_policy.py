@@ -9,7 +9,7 @@ Classes (TensorFlow's auto-mixed-precision vocabulary):
 
 Each entry has a family (what levels and reports group by) and a one-line reason. The bf16 overlay says
 where bf16 (fp32's exponent range, 8 bits of mantissa) needs less care than fp16. Levels O2/O3 are
-expressed as re-classification by family in `passes.paint_precision`, never as edits of this table.
+expressed as re-classification by family in `passes.rules`, never as edits of this table.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ _TABLE: list[OpRule] = [
     # --- infer: pointwise math that is fine in low precision when the inputs already are.
     *_rules("infer", "arithmetic", "pointwise arithmetic: exact up to rounding of its inputs",
             "add sub mul div true_divide neg rsub addcmul addcdiv lerp square sqrt clamp clip "
-            "clamp_min clamp_max"),
+            "clamp_min clamp_max floordiv floor_divide mod remainder fmod"),
     *_rules("infer", "activation", "bounded or piecewise-linear activation: no overflow from fp16 inputs",
             "gelu silu sigmoid tanh hardtanh hardsigmoid hardswish mish elu selu celu leaky_relu "
             "logsigmoid softsign tanhshrink erf erfc"),
@@ -102,8 +102,7 @@ _TABLE: list[OpRule] = [
             "eq ne lt le gt ge isnan isinf isfinite logical_and logical_or logical_not logical_xor "
             "and_ or_ xor invert not_ bitwise_and bitwise_or bitwise_not equal allclose any all"),
     *_rules("ignore", "indices", "integer output: nothing to cast",
-            "argmax argmin argsort nonzero bucketize searchsorted arange one_hot floordiv floor_divide "
-            "mod remainder long int bool"),
+            "argmax argmin argsort nonzero bucketize searchsorted arange one_hot long int bool"),
     *_rules("ignore", "embedding", "a table lookup: the output takes the dtype of the weight it reads",
             "embedding"),
     *_rules("ignore", "factory", "creates a tensor from nothing: its dtype= argument (default fp32) is kept",

@@ -397,3 +397,84 @@ def test_optional_arguments_are_traced_with_their_default_unless_given():
         gm(x, 2.0, mask)
     gm = convert(model, "O1", example_inputs=(x, 2.0, mask))
     assert_close_to_fp32(gm(x, 2.0, mask), model(x, 2.0, mask), torch.float16)
+
+
+class WriteAfterRead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = x.softmax(-1)
+        y = self.a(h)        # reads h cast to fp16 before the write
+        h.mul_(100.0)
+        return y, self.b(h)  # must read a fresh cast of the written h
+
+
+def test_cast_clean_up_does_not_merge_casts_across_an_in_place_write():
+    model, x = WriteAfterRead(), torch.randn(2, 4)
+    gm = convert(model, "O1")
+    softmax_casts = [c for c in cast_nodes(gm) if c.args[0].name == "softmax"]
+    assert len(softmax_casts) == 2
+    with torch.no_grad():
+        for out, ref in zip(gm(x), model(x)):
+            assert_close_to_fp32(out, ref, torch.float16)
+
+
+def test_dict_inputs_are_cast_inside_the_dict():
+    class TakesDict(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, batch):
+            return self.fc(batch["x"])
+
+    model, batch = TakesDict(), {"x": torch.randn(2, 4)}
+    assert_close_to_fp32(convert(model, "O1")(batch), model(batch), torch.float16)
+
+
+class MaskedScores(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ x.transpose(-1, -2)
+        return scores.masked_fill(mask == 0, -1e9).softmax(-1)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_constants_beyond_fp16_range_keep_their_op_fp32(level):
+    model, x, mask = MaskedScores(), torch.randn(2, 3, 4), torch.rand(2, 3, 3) > 0.3
+    gm = convert(model, level)
+    assert_close_to_fp32(gm(x, mask), model(x, mask), torch.float16)
+    rule = next(r["rule"] for r in explain(gm).rows if r["op"] == "masked_fill")
+    assert "-1e+09, beyond fp16's 65504" in rule
+    bf16 = convert(model, level, dtype=torch.bfloat16)  # bf16 holds 1e9: no need to keep it fp32
+    assert next(r["dtype"] for r in explain(bf16).rows if r["op"] == "masked_fill") == "bfloat16"
+
+
+def test_float_floor_divide_keeps_the_output_dtype():
+    class FloorDiv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return (self.fc(x) // 0.5).relu()
+
+    assert convert(FloorDiv(), "O1")(torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_export_fallback_leaves_the_users_module_untouched():
+    class LiftsConstant(nn.Module):
+        def forward(self, x):
+            if x.shape[0] > 1:
+                return x + torch.tensor([1.0])
+            return x
+
+    model = LiftsConstant()
+    before = (set(model._non_persistent_buffers_set), dict(model._buffers), dict(model._modules))
+    convert(model, "O1", example_inputs=(torch.randn(3, 1),))
+    assert (set(model._non_persistent_buffers_set), dict(model._buffers), dict(model._modules)) == before
