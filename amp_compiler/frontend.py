@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import operator
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -132,7 +133,7 @@ def _export_fallback(model, root, example_inputs, fx_error) -> TracedModel:
         values[node] = graph.node_copy(node, lambda n: values[n])
     for node in graph.nodes:  # constants torch.export lifted out of the code live on `unlifted`
         if node.op == "get_attr" and not _has_attr(root, node.target):
-            _set_attr(root, node.target, _get_attr(unlifted, node.target))
+            _set_attr(root, node.target, operator.attrgetter(node.target)(unlifted))
     live = _make_training_flags_live(root, graph)
     gm = graph_module_on(root, graph, type(model).__name__ + "Amp")
     notes = ["torch.fx could not trace the model (" + f"{type(fx_error).__name__}: {fx_error}"[:160] +
@@ -195,15 +196,9 @@ def _user_frame(error: BaseException) -> str:
     return f" (at {frame.filename}:{frame.lineno}: {frame.line})"
 
 
-def _get_attr(module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
-
-
 def _has_attr(module, target: str) -> bool:
     try:
-        _get_attr(module, target)
+        operator.attrgetter(target)(module)
     except AttributeError:
         return False
     return True

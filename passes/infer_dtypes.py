@@ -8,6 +8,8 @@ what cast insertion reads. Placeholders take the dtype of `example_inputs` when 
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -93,7 +95,7 @@ def infer_dtypes(gm: fx.GraphModule, example_inputs=None, low: torch.dtype = tor
             else:
                 dtype = torch.float32 if not node.name.startswith("_") else None
         elif node.op == "get_attr":
-            value = _fetch_attr(gm, node.target)
+            value = operator.attrgetter(node.target)(gm)
             dtype = value.dtype if isinstance(value, torch.Tensor) else None
         elif node.op == "output":
             dtype = None
@@ -103,9 +105,3 @@ def infer_dtypes(gm: fx.GraphModule, example_inputs=None, low: torch.dtype = tor
         node.meta.setdefault("amp", {})["dtype"] = dtype
     return PassResult(gm, modified=False)
 
-
-def _fetch_attr(gm: fx.GraphModule, target: str):
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value

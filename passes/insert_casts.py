@@ -87,7 +87,7 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
 
     if keep_io_types:
         output = next(n for n in graph.nodes if n.op == "output")
-        outputs = _flat_output_nodes(output)
+        outputs = output_value_nodes(gm)
         for value, original in zip(outputs, original_output_dtypes):
             have = value.meta.get("amp", {}).get("dtype")
             if is_float(have) and is_float(original) and have != original:
@@ -96,10 +96,8 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
 
 
 def output_value_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return _flat_output_nodes(next(n for n in gm.graph.nodes if n.op == "output"))
-
-
-def _flat_output_nodes(output: fx.Node) -> list[fx.Node]:
+    """The distinct nodes the graph returns, in order."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
     found: list[fx.Node] = []
     fx.node.map_arg(output.args, lambda n: found.append(n) if n not in found else None)
     return found
