@@ -14,15 +14,16 @@ RELATIVE_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 
 
 
 def assert_close_to_fp32(output: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype,
-                         data_scale: float = 1e-3) -> float:
+                         data_scale: float = 1e-3, loosen: float = 1.0) -> float:
     """`data_scale`: the magnitude of the values the model computed with, when outputs can be small by
-    cancellation (x - mean(x)): low-precision rounding is relative to those, not to the result."""
+    cancellation (x - mean(x)): low-precision rounding is relative to those, not to the result.
+    `loosen`: a factor on the tolerance, for levels that run fragile ops (norms, exp) in low precision."""
     output, reference = output.detach().float(), reference.detach().float()
     assert output.shape == reference.shape
     assert torch.isfinite(output).all(), "non-finite values in the converted model's output"
     error = (output - reference).abs().max().item()
     scale = max(reference.abs().max().item(), data_scale)
-    assert error <= RELATIVE_TOLERANCE[dtype] * scale, f"max error {error:.3g} vs output scale {scale:.3g}"
+    assert error <= RELATIVE_TOLERANCE[dtype] * loosen * scale, f"max error {error:.3g} vs output scale {scale:.3g}"
     return error / scale
 
 

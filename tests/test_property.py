@@ -42,7 +42,7 @@ class RandomNet(nn.Module):
         return h
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(codes=st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=8),
        dtype=st.sampled_from([torch.float16, torch.bfloat16]),
        level=st.sampled_from(["O1", "O2", "O3"]), seed=st.integers(0, 2**16))
@@ -53,7 +53,8 @@ def test_random_models_are_valid_and_close_to_fp32(codes, dtype, level, seed):
     gm = convert(model, level, dtype=dtype)
     assert_cast_invariants(gm)
     with torch.no_grad():
-        assert_close_to_fp32(gm(x), model(x), dtype, data_scale=1.0)  # unit-scale inputs
+        # unit-scale inputs; O2/O3 run exp and norms in low precision too, so their error grows
+        assert_close_to_fp32(gm(x), model(x), dtype, data_scale=1.0, loosen=1.0 if level == "O1" else 4.0)
     painted = precision_by_op(gm)
     if level == "O1":  # the table decides: allow ops low, deny ops fp32
         for op, precisions in painted.items():
