@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from passes.canonicalize import LEAF_MODULE_TYPES
+from passes.graph_leaf import graph_leaf
 
 
 class TracingError(RuntimeError):
@@ -84,6 +85,11 @@ def trace(model: nn.Module, example_inputs=None) -> TracedModel:
         graph = tracer.trace(root, concrete_args=concrete or None)
     except Exception as fx_error:  # noqa: BLE001 - any fx failure means: try the next front end
         return _export_fallback(model, root, example_inputs, fx_error)
+    for node in graph.nodes:
+        # fx records `x: torch.Tensor` annotations as a string global that torch.save cannot pickle
+        # (the plain symbolic_trace GraphModule fails the same way); they change nothing at run time.
+        if node.op in ("placeholder", "output"):
+            node.type = None
     gm = graph_module_on(root, graph, type(model).__name__ + "Amp")
     leaves = sorted({n.target for n in graph.nodes if n.op == "call_module"})
     notes = [f"traced with {name}={value!r}; calls that pass another value raise (give it in example_inputs "
@@ -148,6 +154,7 @@ class TrainingFlag(nn.Module):
         return self.training
 
 
+@graph_leaf
 def dropout_p_when_training(p: float, training: bool) -> float:
     return p if training else 0.0
 

@@ -12,10 +12,11 @@ import torch
 import torch.fx as fx
 
 from passes.infer_dtypes import is_float
+from passes.graph_leaf import graph_leaf
 from passes.pass_result import PassResult
 
 
-@torch.fx.wrap
+@graph_leaf
 def amp_cast(value, dtype: torch.dtype):
     """Cast fp32/fp16/bf16 tensors (also inside tuples, lists, dicts) to `dtype`; the rest passes through."""
     if isinstance(value, torch.Tensor):

@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from passes.graph_leaf import graph_leaf
 from passes.pass_result import PassResult
 
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
@@ -25,7 +26,7 @@ MIXED_KERNEL_MODULES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupN
                         nn.Identity)
 
 
-@torch.fx.wrap
+@graph_leaf
 def amp_module_call(module: nn.Module, dtype: torch.dtype, *args, **kwargs):
     """Run `module` with its floating parameters cast to `dtype` for this call only."""
     params = {name: p.to(dtype) if p.is_floating_point() and p.dtype != torch.float64 else p

@@ -478,3 +478,19 @@ def test_export_fallback_leaves_the_users_module_untouched():
     before = (set(model._non_persistent_buffers_set), dict(model._buffers), dict(model._modules))
     convert(model, "O1", example_inputs=(torch.randn(3, 1),))
     assert (set(model._non_persistent_buffers_set), dict(model._buffers), dict(model._modules)) == before
+
+
+def test_converted_graph_survives_torch_save_and_deepcopy(tmp_path):
+    import copy
+
+    from models import build
+
+    task = build("bert", size="small")  # its forward is annotated (token_ids: torch.Tensor)
+    gm = convert(task.model, "O1")
+    gm.eval()
+    expected = gm(*task.example_inputs)
+    torch.save(gm, tmp_path / "gm.pt")
+    loaded = torch.load(tmp_path / "gm.pt", weights_only=False)
+    loaded.eval()
+    assert torch.equal(loaded(*task.example_inputs), expected)
+    assert torch.equal(copy.deepcopy(gm)(*task.example_inputs), expected)
