@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from passes.infer_dtypes import dtype_name
 from passes.rules import LEVELS, PrecisionRules
 
 LOW_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -33,7 +34,7 @@ class AmpConfig:
 
     @property
     def low_dtype_name(self) -> str:
-        return str(self.low_dtype).removeprefix("torch.")
+        return dtype_name(self.low_dtype)
 
     def precision_rules(self) -> PrecisionRules:
         return PrecisionRules.build(self.level, self.low_dtype_name, keep_norm_fp32=self.keep_norm_fp32,

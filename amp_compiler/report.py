@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from passes.infer_dtypes import dtype_name
 from passes.insert_casts import is_cast
 
 
@@ -53,7 +54,7 @@ def explain(gm: fx.GraphModule) -> PrecisionReport:
         amp = node.meta.get("amp", {})
         precision = amp.get("precision")
         if is_cast(node):
-            dtype = str(node.args[1]).removeprefix("torch.")
+            dtype = dtype_name(node.args[1])
         else:
             dtype = {"low": low, "fp32": "float32"}.get(precision, "-")
             if precision is not None:

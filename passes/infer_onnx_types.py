@@ -71,7 +71,7 @@ def _inferred_types(model: ir.Model, *, strict: bool) -> list[dict[str, onnx.Typ
     inferred = onnx.shape_inference.infer_shapes(_inference_proto(model), check_type=strict, strict_mode=strict,
                                                  data_prop=True)
     return [{info.name: info.type for info in (*graph.value_info, *graph.output)}
-            for graph in _graph_protos(inferred.graph)]
+            for graph in graph_protos(inferred.graph)]
 
 
 def _apply(model: ir.Model, inferred: list[dict[str, onnx.TypeProto]], values) -> None:
@@ -89,16 +89,16 @@ def _apply(model: ir.Model, inferred: list[dict[str, onnx.TypeProto]], values) -
                 value.shape = ir.serde.deserialize_type_proto_for_shape(types[value.name])
 
 
-def _graph_protos(graph: onnx.GraphProto):
+def graph_protos(graph: onnx.GraphProto):
     """`graph` and its subgraphs in model_graphs order (a node's attributes in order, depth first)."""
     yield graph
     for node in graph.node:
         for attribute in node.attribute:
             if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _graph_protos(attribute.g)
+                yield from graph_protos(attribute.g)
             elif attribute.type == onnx.AttributeProto.GRAPHS:
                 for subgraph in attribute.graphs:
-                    yield from _graph_protos(subgraph)
+                    yield from graph_protos(subgraph)
 
 
 def _inference_proto(model: ir.Model) -> onnx.ModelProto:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from passes.infer_dtypes import is_float
+from passes.infer_dtypes import dtype_name, is_float
 from passes.graph_leaf import graph_leaf
 from passes.pass_result import PassResult
 
@@ -44,7 +44,7 @@ def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, why: str) -> 
     cast.meta["amp_role"] = "cast"
     cast.meta["amp"] = {"op": "cast", "class": "cast", "precision": None, "dtype": dtype,
                         "module": value.meta.get("amp", {}).get("module", ""), "rule": why}
-    cast._rename(f"{value.name}_{str(dtype).removeprefix('torch.')}")  # unique within the graph
+    cast._rename(f"{value.name}_{dtype_name(dtype)}")  # unique within the graph
     return cast
 
 
@@ -60,7 +60,7 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
         key = (value, dtype, writes.get(value, 0))
         if key not in shared:
             with graph.inserting_before(consumer):  # the first reader: later readers share it
-                why = f"boundary: {value.name} ({_short(value.meta['amp']['dtype'])}) read as {_short(dtype)}"
+                why = f"boundary: {value.name} ({dtype_name(value.meta['amp']['dtype'])}) read as {dtype_name(dtype)}"
                 shared[key] = make_cast(graph, value, dtype, why)
             inserted += 1
         return shared[key]
@@ -102,7 +102,3 @@ def output_value_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     found: list[fx.Node] = []
     fx.node.map_arg(output.args, lambda n: found.append(n) if n not in found else None)
     return found
-
-
-def _short(dtype) -> str:
-    return str(dtype).removeprefix("torch.")

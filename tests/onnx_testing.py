@@ -8,6 +8,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from amp_compiler.onnx_sessions import make_session
+from passes.infer_onnx_types import graph_protos
 
 OPSET = 18
 F32, F16, I64, BOOL = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.BOOL
@@ -38,18 +39,8 @@ def run(path: str, feeds: dict) -> list[np.ndarray]:
     return make_session(path).run(None, feeds)
 
 
-def all_graphs(graph: onnx.GraphProto):
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from all_graphs(attribute.g)
-            for sub in attribute.graphs:
-                yield from all_graphs(sub)
-
-
 def all_nodes(model: onnx.ModelProto):
-    for graph in all_graphs(model.graph):
+    for graph in graph_protos(model.graph):
         yield from graph.node
 
 
@@ -61,7 +52,7 @@ def value_types(model: onnx.ModelProto) -> dict[str, int]:
     """Element type of every named value (inputs, outputs, initializers, value_info), after inference."""
     inferred = onnx.shape_inference.infer_shapes(model)
     types = {}
-    for graph in all_graphs(inferred.graph):
+    for graph in graph_protos(inferred.graph):
         for info in (*graph.input, *graph.output, *graph.value_info):
             types[info.name] = info.type.tensor_type.elem_type
         for tensor in graph.initializer:
@@ -83,7 +74,7 @@ def assert_clean_casts(model: onnx.ModelProto) -> None:
     """No Cast reads a Cast, at most one Cast per (value, dtype) and graph, none to the dtype it reads,
     none reads an initializer (weights are stored converted)."""
     types = value_types(model)
-    for graph in all_graphs(model.graph):
+    for graph in graph_protos(model.graph):
         producers = {out: node for node in graph.node for out in node.output}
         initializers = {t.name for t in graph.initializer}
         casts = [n for n in graph.node if n.op_type == "Cast"]
