@@ -5,10 +5,11 @@ from amp_compiler.frontend import TracingError
 from amp_compiler.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 from amp_compiler.report import PrecisionReport, explain
 from amp_compiler.train import TrainStep, build_train_network
+from amp_compiler.verify import DtypeMismatch, verify
 from passes.op_policy import default_lists
 
 __all__ = ["convert", "explain", "PrecisionReport", "TracingError", "AmpConfig", "make_config",
-           "default_lists"]
+           "default_lists", "verify", "DtypeMismatch"]
 __all__ += ["LossScaleManager", "FixedLossScaleManager", "DynamicLossScaleManager", "build_train_network",
             "TrainStep"]
 __all__ += ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionReport", "ValidationReport"]

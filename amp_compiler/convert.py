@@ -1,7 +1,7 @@
 """convert(): the whole compiler as one readable pipeline.
 
-    trace -> canonicalize -> infer_dtypes -> decide_fx_precision -> lower_leaf_modules
-          -> infer_dtypes -> insert_casts -> fold_casts -> GraphModule (+ gm.meta["amp"] summary)
+    trace -> canonicalize -> propagate_values -> infer_dtypes -> decide_fx_precision -> plan_opaque_calls
+          -> lower_leaf_modules -> infer_dtypes -> insert_casts -> fold_casts -> GraphModule (+ gm.meta["amp"])
 """
 from __future__ import annotations
 
@@ -17,23 +17,27 @@ from passes.fold_casts import count_casts, fold_casts
 from passes.infer_dtypes import infer_dtypes
 from passes.insert_casts import insert_casts, output_value_nodes
 from passes.lower_leaf_modules import lower_leaf_modules
+from passes.opaque_calls import plan_opaque_calls
+from passes.propagate_values import propagate_values
 
 
 def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None = None,
-            **overrides) -> fx.GraphModule:
+            dynamic_shapes=None, **overrides) -> fx.GraphModule:
     """Trace `model` and return a GraphModule whose every node runs in the precision the rules pick.
 
     The result shares the model's parameters and buffers (an optimizer on model.parameters() trains it)
     and never changes the model. `amp_compiler.explain(gm)` tells why each node got its dtype.
+    `dynamic_shapes` (torch.export's format) is used when the model needs the torch.export front end;
+    by default every dim torch.export can keep dynamic stays dynamic.
     """
     config = make_config(level, **overrides)
-    traced = trace(model, example_inputs)
+    traced = trace(model, example_inputs, dynamic_shapes)
     gm = traced.graph_module
     counts = run_pipeline(gm, config, example_inputs)
     gm.meta["amp"] = {
         "level": config.level, "requested_level": config.requested_level,
         "dtype": config.low_dtype_name, "frontend": traced.frontend, "leaf_modules": traced.leaves,
-        "notes": traced.notes, "keep_io_types": config.keep_io_types, "casts": count_casts(gm),
+        "notes": traced.notes, "opaque": traced.opaque, "keep_io_types": config.keep_io_types, "casts": count_casts(gm),
         "pass_counts": counts, "loss_scale_manager": config.loss_scale_manager,
     }
     return gm
@@ -43,6 +47,8 @@ def run_pipeline(gm: fx.GraphModule, config: AmpConfig, example_inputs=None) -> 
     """Run the passes in order on `gm` (in place); returns what each pass counted."""
     low = config.low_dtype
     canonicalize(gm)
+    if example_inputs is not None and not any("val" in n.meta for n in gm.graph.nodes):
+        propagate_values(gm, example_inputs)            # fake values (torch.export records its own)
     infer_dtypes(gm, example_inputs, low)               # original dtypes: what is float, what we return
     original_outputs = [n.meta["amp"]["dtype"] for n in output_value_nodes(gm)]
     if config.level == "O0":
@@ -52,6 +58,7 @@ def run_pipeline(gm: fx.GraphModule, config: AmpConfig, example_inputs=None) -> 
     counts: dict[str, int] = {}
     steps = (
         lambda: decide_fx_precision(gm, config.precision_rules()),  # paint low/fp32 on every float node
+        lambda: plan_opaque_calls(gm, low),        # opaque bodies run under autocast, outputs as before
         lambda: lower_leaf_modules(gm, low),       # low leaves read their params via get_attr: castable
         lambda: infer_dtypes(gm, example_inputs, low),  # re-run: dtypes the painted graph computes in
         lambda: insert_casts(gm, low, original_outputs, config.keep_io_types),

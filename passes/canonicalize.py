@@ -49,6 +49,7 @@ ALIASES = {
     "select_copy": "select", "squeeze_copy": "squeeze", "unsqueeze_copy": "unsqueeze",
     "t_copy": "t", "split_with_sizes": "split", "new_zeros": "zeros_like", "new_ones": "ones_like",
     "new_full": "full_like", "new_empty": "empty_like", "fill": "full_like",
+    "amp_opaque_call": "opaque_call",
 }
 _INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
                       "imatmul"}
@@ -85,6 +86,8 @@ def canonical_op(node: fx.Node, root: nn.Module) -> str:
         for cls, name in MODULE_OPS:
             if isinstance(module, cls):
                 return name
+        if type(module).__name__ == "GuardsFn":  # torch.export's shape guards: checks, no math
+            return "guards"
         return "module:" + type(module).__name__
     if node.op == "call_method":
         return _strip(target)

@@ -3,8 +3,11 @@
     meta["amp"]["dtype"] = torch.float32 | torch.float16 | torch.int64 | ... | None (not a tensor / unknown)
 
 Before painting it records the dtypes the original model computes in (what painting may change and what
-keep_io_types restores); after painting it records what the rewritten graph will compute in, which is
-what cast insertion reads. Placeholders take the dtype of `example_inputs` when given, else fp32.
+keep_io_types restores) in ["dtype"] and ["original_dtype"]; after painting it records what the rewritten
+graph will compute in, which is what cast insertion reads. Facts come first from propagation: a node's
+meta["val"] (the fake value torch.export or `propagate_values` recorded); the rules below are only
+for what nothing propagated (no example inputs) and for the painted graph, whose painted nodes compute
+in their precision. Placeholders without a value take fp32. `amp_compiler.verify` checks the result.
 """
 from __future__ import annotations
 
@@ -58,8 +61,24 @@ def _module_param_dtype(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None
     return _promote(p.dtype for p in gm.get_submodule(node.target).parameters(recurse=False))
 
 
+def value_dtype(value) -> torch.dtype | None:
+    """The dtype of a (fake) value: a tensor's, or the promoted float dtype of the tensors in a container."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, (tuple, list, dict)):
+        dtypes = [v.dtype for v in torch.utils._pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+        return _promote(dtypes) or (dtypes[0] if dtypes else None)
+    return None
+
+
 def _call_dtype(gm: fx.GraphModule, node: fx.Node, dtypes: dict, low: torch.dtype) -> torch.dtype | None:
     amp = node.meta.get("amp", {})
+    original = amp.get("original_dtype")
+    if "class" not in amp:   # before painting: a propagated value is the fact
+        if "val" in node.meta:
+            return value_dtype(node.meta["val"])
+    elif original is not None and not is_float(original):
+        return original      # painting never changes int, bool or fp64 values
     inputs = [dtypes.get(a) for a in node.all_input_nodes]
     base = POLICY.get(amp.get("op"))  # before painting only the table knows which ops are non-float
     family = amp.get("family", base.family if base else None)
@@ -72,8 +91,11 @@ def _call_dtype(gm: fx.GraphModule, node: fx.Node, dtypes: dict, low: torch.dtyp
             return _explicit_dtype(node, dtypes) or torch.get_default_dtype()
         if family == "inplace":
             return dtypes.get(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
-        if family == "embedding":
-            return _module_param_dtype(gm, node) or (inputs[1] if len(inputs) > 1 else None)
+        if family == "embedding":  # the table's dtype (aten.embedding(weight, indices) or F.embedding)
+            return _module_param_dtype(gm, node) or _promote(inputs)
+        if family == "opaque":      # returns the policy's output dtype, else what its inputs promote to
+            policy = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], tuple) else (None, None)
+            return policy[1] or _promote(inputs)
         return None
     precision = amp.get("precision")
     if precision == "low":
@@ -91,12 +113,15 @@ def infer_dtypes(gm: fx.GraphModule, example_inputs=None, low: torch.dtype = tor
     """Write meta["amp"]["dtype"] on every node, in topological order."""
     dtypes: dict[fx.Node, torch.dtype | None] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    given = dict(zip(placeholders, example_inputs)) if example_inputs is not None else {}
+    given = dict(zip(placeholders, example_inputs)) if example_inputs is not None and \
+        len(placeholders) == len(example_inputs) else {}
     for node in gm.graph.nodes:
+        amp = node.meta.setdefault("amp", {})
         if node.op == "placeholder":
-            value = given.get(node, None)
-            if node in given:
-                dtype = value.dtype if isinstance(value, torch.Tensor) else None
+            if "val" in node.meta:
+                dtype = value_dtype(node.meta["val"])
+            elif node in given:
+                dtype = value_dtype(given[node])
             else:
                 dtype = torch.float32 if not node.name.startswith("_") else None
         elif node.op == "get_attr":
@@ -107,6 +132,8 @@ def infer_dtypes(gm: fx.GraphModule, example_inputs=None, low: torch.dtype = tor
         else:
             dtype = _call_dtype(gm, node, dtypes, low)
         dtypes[node] = dtype
-        node.meta.setdefault("amp", {})["dtype"] = dtype
+        amp["dtype"] = dtype
+        if "class" not in amp:
+            amp["original_dtype"] = dtype
     return PassResult(gm, modified=False)
 

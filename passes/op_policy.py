@@ -109,6 +109,9 @@ _TABLE: list[OpRule] = [
             "zeros ones full empty rand randn eye linspace logspace tensor scalar_tensor"),
     *_rules("ignore", "user_cast", "an explicit dtype conversion written by the user is respected",
             "to float double half bfloat16 type type_as"),
+    *_rules("ignore", "opaque", "code torch.fx cannot see into (or a custom autograd.Function): runs as written "
+            "as one unit, inputs uncast (it may write into them)", "opaque_call"),
+    *_rules("ignore", "guards", "checks that a call fits what the graph was specialised to: no math", "guards"),
     *_rules("ignore", "control_flow", "loop-carried values keep their dtype across iterations; the body's ops are "
             "painted and cast inside the body", "while_loop scan"),
 ]

@@ -1,0 +1,173 @@
+"""torch.export fallback: capture what fx cannot, keeping what the exported program promises.
+
+    dynamic dims   every dim of every example tensor starts as Dim.AUTO: torch.export keeps dynamic what
+                   the model allows (batch, sequence, node counts) and fixes the rest; the notes say which
+    guards         the exported `_guards_fn` stays in the graph: a call outside what the graph was
+                   specialised to raises, it never computes the wrong branch
+    signature      the exported in/out pytree specs: dict inputs, keyword inputs and the model's own output
+                   type (ModelOutput, namedtuple, OrderedDict) survive
+    train flags    dropout / batch-norm train flags follow train()/eval() (batch norms without running
+                   statistics, e.g. weight standardisation, keep their hard-coded flag)
+A custom autograd.Function would be inlined by torch.export (its backward lost): that is refused.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import operator
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from amp_compiler.frontend.errors import TracingError, user_frame
+from amp_compiler.frontend.module_tree import graph_module_on
+from passes.graph_leaf import graph_leaf
+
+
+def export_graph(model: nn.Module, root: nn.Module, example_inputs: tuple, dynamic_shapes=None):
+    """(GraphModule on `root`, notes). Raises what torch.export raised."""
+    notes = []
+    with _custom_functions_recorded() as functions:
+        try:
+            exported = torch.export.export(root, example_inputs, dynamic_shapes=dynamic_shapes or
+                                           _auto_dynamic(example_inputs), strict=False)
+        except Exception as dynamic_error:  # noqa: BLE001 - some models only export with fixed shapes
+            if dynamic_shapes is not None:
+                raise
+            exported = torch.export.export(root, example_inputs, strict=False)
+            notes.append("every input dim is fixed: dynamic export failed "
+                         f"({type(dynamic_error).__name__}: {str(dynamic_error).splitlines()[0][:120]})")
+    if functions:
+        names = ", ".join(sorted(functions))
+        raise TracingError(
+            f"{type(model).__name__} calls custom autograd.Function {names}, and torch.export (the fallback "
+            "for models torch.fx cannot trace) inlines its forward and drops its backward: gradients would "
+            "be silently wrong. Make the code around it traceable by torch.fx (which keeps the Function "
+            "whole), or convert the submodules that trace on their own.")
+    unlifted = exported.module()
+    graph = fx.Graph()
+    values: dict = {}
+    for node in unlifted.graph.nodes:
+        values[node] = graph.node_copy(node, lambda n: values[n])
+    graph._codegen = copy.deepcopy(unlifted.graph._codegen)   # flattens inputs, rebuilds the output type
+    for node in graph.nodes:  # constants torch.export lifted out of the code, and the guards, live on `unlifted`
+        if node.op in ("get_attr", "call_module") and not _has_attr(root, node.target):
+            _set_attr(root, node.target, operator.attrgetter(node.target)(unlifted))
+    live = _make_training_flags_live(root, graph)
+    notes.append(f"captured with torch.export; {live} dropout/batch-norm train flags follow train()/eval()")
+    notes.extend(_shape_notes(graph))
+    return graph_module_on(root, graph, type(model).__name__ + "Amp"), notes
+
+
+def _auto_dynamic(example_inputs: tuple):
+    dim = torch.export.Dim.AUTO
+    return torch.utils._pytree.tree_map(
+        lambda v: {i: dim for i in range(v.dim())} if isinstance(v, torch.Tensor) else None, example_inputs)
+
+
+def _shape_notes(graph: fx.Graph) -> list[str]:
+    notes = []
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "placeholder" or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        fixed = [f"{i}={int(s)}" for i, s in enumerate(value.shape) if not isinstance(s, torch.SymInt)]
+        if fixed:
+            notes.append(f"input {node.name}: dim {', '.join(fixed)} fixed (the rest dynamic); "
+                         "convert(..., dynamic_shapes=...) or another example size changes that")
+    return notes
+
+
+@contextlib.contextmanager
+def _custom_functions_recorded():
+    """The user-defined autograd.Functions the model calls during export."""
+    function_cls = torch.autograd.Function
+    original = function_cls.__dict__["apply"]
+    seen: set[str] = set()
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("torch."):
+            seen.add(f"{cls.__module__}.{cls.__qualname__}")
+        return original.__func__(cls, *args, **kwargs)
+
+    function_cls.apply = classmethod(apply)
+    try:
+        yield seen
+    finally:
+        function_cls.apply = original
+
+
+class TrainingFlag(nn.Module):
+    """Returns its own `training` flag, so an exported graph follows train()/eval() like the model."""
+
+    def forward(self) -> bool:
+        return self.training
+
+
+@graph_leaf
+def dropout_p_when_training(p: float, training: bool) -> float:
+    return p if training else 0.0
+
+
+# ATen ops whose train flag torch.export bakes in as a constant: op -> argument index. For attention,
+# the baked value is dropout_p (nn.MultiheadAttention passes 0.0 in eval mode).
+_TRAIN_ARGS = {torch.ops.aten.dropout.default: 2, torch.ops.aten.batch_norm.default: 5,
+               torch.ops.aten.feature_dropout.default: 2, torch.ops.aten.alpha_dropout.default: 2}
+_DROPOUT_P_ARGS = {torch.ops.aten.scaled_dot_product_attention.default: 4}
+_BATCH_NORM_RUNNING_MEAN = 3
+
+
+def _follows_module_mode(node: fx.Node) -> bool:
+    if node.target is torch.ops.aten.batch_norm.default:
+        # No running statistics: batch statistics are always used (weight standardisation, or
+        # track_running_stats=False); the flag is part of the computation, not the module's mode.
+        return node.args[_BATCH_NORM_RUNNING_MEAN] is not None
+    return node.target in _TRAIN_ARGS or len(node.args) > _DROPOUT_P_ARGS.get(node.target, 99)
+
+
+def _make_training_flags_live(root: nn.Module, graph: fx.Graph) -> int:
+    users = [n for n in graph.nodes if n.op == "call_function" and _follows_module_mode(n)]
+    if not users:
+        return 0
+    root.add_module("amp_training_flag", TrainingFlag())
+    with graph.inserting_before(users[0]):
+        flag = graph.call_module("amp_training_flag")
+    for node in users:
+        args = list(node.args)
+        if node.target in _TRAIN_ARGS:
+            args[_TRAIN_ARGS[node.target]] = flag
+        else:
+            index = _DROPOUT_P_ARGS[node.target]
+            with graph.inserting_before(node):
+                args[index] = graph.call_function(dropout_p_when_training, (args[index], flag))
+        node.args = tuple(args)
+    return len(users)
+
+
+def export_failure(model, fx_error, export_error) -> TracingError:
+    return TracingError(
+        f"neither torch.fx nor torch.export could capture {type(model).__name__}.\n"
+        f"  torch.fx: {type(fx_error).__name__}: {str(fx_error).splitlines()[0][:200]}{user_frame(fx_error)}\n"
+        f"  torch.export: {type(export_error).__name__}: {str(export_error).splitlines()[0][:200]}"
+        f"{user_frame(export_error)}\n"
+        "Make the branch data-independent (torch.where / torch.cond) or convert the submodules "
+        "that trace on their own.")
+
+
+def _has_attr(module, target: str) -> bool:
+    try:
+        operator.attrgetter(target)(module)
+    except AttributeError:
+        return False
+    return True
+
+
+def _set_attr(module, target: str, value) -> None:
+    *path, name = target.split(".")
+    for part in path:
+        module = getattr(module, part)
+    if isinstance(value, (nn.Parameter, nn.Module)) or not isinstance(value, torch.Tensor):
+        setattr(module, name, value)
+    else:
+        module.register_buffer(name, value, persistent=False)

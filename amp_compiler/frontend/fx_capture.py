@@ -1,0 +1,195 @@
+"""torch.fx symbolic trace that holds on real models: what fx cannot see into becomes one opaque node.
+
+    submodule whose forward fx cannot trace       -> amp_opaque_call(self.<path>, ...)       (reported)
+    function wrapped with torch.fx.wrap           -> traced into; opaque when that fails     (reported)
+    custom torch.autograd.Function                -> amp_opaque_call(Fn.apply, ...): its own backward
+    forward() returning an OrderedDict / namedtuple / ModelOutput -> the same type comes back
+
+Leaves are only modules whose precision is decided as one unit (Linear, ConvNd, norms, Embedding, RNNs,
+Dropout), and only while they run their class's own forward: a subclass with its own forward
+(timm's StdConv2d, NFNet's ScaledStdConv2d) is traced into, so its weight standardisation stays fp32.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+import torch.fx as fx
+import torch.fx._symbolic_trace as fx_trace
+from torch import nn
+
+from amp_compiler.frontend.errors import user_frame
+from passes.canonicalize import LEAF_MODULE_TYPES
+from passes.opaque_calls import AS_WRITTEN, amp_opaque_call
+
+
+def is_leaf_module(module: nn.Module) -> bool:
+    if not isinstance(module, LEAF_MODULE_TYPES):
+        return False
+    # torch.nn's own forward, not an override: the rules know what the leaf computes.
+    owner = next(cls for cls in type(module).__mro__ if "forward" in cls.__dict__)
+    return owner.__module__.startswith("torch.nn.")
+
+
+class AmpTracer(fx.Tracer):
+    # Buffers become get_attr nodes (not constants folded at trace time), so ops on them are painted
+    # and in-place updates reach the real buffer.
+    proxy_buffer_attributes = True
+
+    def __init__(self):
+        super().__init__()
+        self.opaque: dict[str, str] = {}   # where -> why, for the report
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return is_leaf_module(m)
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+
+        def recording(*a, **k):  # the output's own structure, before fx turns dicts into immutable_dict
+            out = fn(*a, **k)
+            self.output_spec = torch.utils._pytree.tree_structure(out)
+            return out
+        return recording, args
+
+    def trace(self, root, concrete_args=None):
+        self._root_module = root
+        self.output_spec = None
+        with _functions_traced_into(self), _autograd_functions_kept(self):
+            return super().trace(root, concrete_args)
+
+    def call_module(self, m, forward, args, kwargs):
+        if self.is_leaf_module(m, ""):
+            return super().call_module(m, forward, args, kwargs)
+        path = self.path_of_module(m)
+        return self._try_or_opaque(lambda: super(AmpTracer, self).call_module(m, forward, args, kwargs),
+                                   path, path, args, kwargs)
+
+    def opaque_call(self, callee, where: str, why: str, args, kwargs):
+        """One amp_opaque_call node; `callee` is a module path, or a callable stored on the root."""
+        if not isinstance(callee, str):
+            name = "amp_opaque_" + "".join(c if c.isalnum() else "_" for c in where)
+            attr, index = name, 0
+            while hasattr(self._root_module, attr) and getattr(self._root_module, attr) is not callee:
+                index += 1
+                attr = f"{name}_{index}"
+            setattr(self._root_module, attr, callee)
+            callee = attr
+        getter = self.create_proxy("get_attr", callee, (), {})
+        proxy = self.create_proxy("call_function", amp_opaque_call, (getter, AS_WRITTEN, *args), kwargs)
+        proxy.node.meta["amp_opaque"] = why
+        self.opaque[where] = why
+        return proxy
+
+    def _try_or_opaque(self, attempt, callee, where: str, args, kwargs):
+        last = self.graph._root.prev  # the newest node: everything after it belongs to this attempt
+        try:
+            return attempt()
+        except Exception as error:  # noqa: BLE001 - any failure inside means: run this part as written
+            _erase_after(self.graph, last)
+            why = f"torch.fx cannot trace it: {type(error).__name__}: {str(error).splitlines()[0][:120]}" \
+                  f"{user_frame(error)}"
+            return self.opaque_call(callee, where, why, args, kwargs)
+
+
+def _erase_after(graph: fx.Graph, last: fx.Node) -> None:
+    doomed = []
+    node = last.next
+    while node is not graph._root:
+        doomed.append(node)
+        node = node.next
+    for node in reversed(doomed):
+        graph.erase_node(node)
+
+
+@contextlib.contextmanager
+def _functions_traced_into(tracer: AmpTracer):
+    """Functions registered with torch.fx.wrap are traced into (their matmuls and softmax get their own
+    rules); one that cannot be traced runs as one opaque node."""
+    table = fx_trace._wrapped_fns_to_patch
+    saved = dict(table)
+    patched = []
+    for (_, name), frame in saved.items():
+        if name not in frame:
+            continue
+        original = frame[name]
+
+        def attempt(*args, _fn=original, _name=name, **kwargs):
+            if not _has_proxy((args, kwargs)):
+                return _fn(*args, **kwargs)
+            return tracer._try_or_opaque(lambda: _fn(*args, **kwargs), _fn, f"{_fn.__module__}.{_name}",
+                                         args, kwargs)
+
+        patched.append((frame, name, original))
+        frame[name] = attempt
+    table.clear()   # fx would otherwise patch them back to single nodes
+    try:
+        yield
+    finally:
+        table.update(saved)
+        for frame, name, original in patched:
+            frame[name] = original
+
+
+@contextlib.contextmanager
+def _autograd_functions_kept(tracer: AmpTracer):
+    """A custom autograd.Function stays one node: fx would inline its forward and lose its backward."""
+    function_cls = torch.autograd.Function
+    original = function_cls.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not _has_proxy((args, kwargs)):
+            return original.__func__(cls, *args, **kwargs)
+        bound = original.__get__(None, cls)
+        why = f"custom autograd.Function {cls.__qualname__}: kept whole so its own backward runs"
+        return tracer.opaque_call(bound, f"{cls.__module__}.{cls.__qualname__}", why, args, kwargs)
+
+    function_cls.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        function_cls.apply = original
+
+
+def _has_proxy(values) -> bool:
+    found = []
+    fx.node.map_aggregate(values, lambda v: found.append(v) if isinstance(v, fx.Proxy) else None)
+    return bool(found)
+
+
+def restore_output_type(graph: fx.Graph, spec) -> bool:
+    """Return the model's own output container (OrderedDict, namedtuple, ModelOutput...) rather than
+    the plain dict or tuple fx would generate. True when the graph now unflattens its outputs."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    leaves = torch.utils._pytree.tree_leaves(output.args[0])
+    if spec is None or spec.num_leaves != len(leaves) or \
+            all(container in (tuple, list, dict) for container in _containers(spec)):
+        return False
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    in_spec = torch.utils._pytree.tree_structure((tuple(range(len(placeholders))), {}))
+    names = [n.target for n in placeholders]
+    if any(name.startswith("*") for name in names):
+        return False   # *args/**kwargs signatures keep fx's own codegen
+    graph._codegen = fx.graph._PyTreeCodeGen(fx.graph._PyTreeInfo(names, in_spec, spec))
+    output.args = (tuple(leaves),)
+    return True
+
+
+def _containers(spec):
+    if spec.is_leaf():
+        return
+    yield spec.type
+    for child in spec.children():
+        yield from _containers(child)
+
+
+def optional_arguments(root: nn.Module, example_inputs) -> dict:
+    """forward() arguments defaulting to None or a bool that example_inputs do not cover: they usually
+    pick a branch (`if mask is None`), which fx would otherwise trace the wrong way."""
+    covered = len(example_inputs) if example_inputs is not None else 0
+    concrete = {}
+    for index, (name, param) in enumerate(inspect.signature(root.forward).parameters.items()):
+        if index >= covered and (param.default is None or isinstance(param.default, bool)):
+            concrete[name] = param.default
+    return concrete
