@@ -1,9 +1,12 @@
 """amp-compiler: automatic mixed precision as fx graph passes, with every decision explained."""
+from amp_compiler.bad_steps import NonFiniteGradientsError
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert import convert
 from amp_compiler.frontend import TracingError
+from amp_compiler.grad_scaler import GradScaler
 from amp_compiler.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 from amp_compiler.report import PrecisionReport, explain
+from amp_compiler.step_outcome import Overflow
 from amp_compiler.train import TrainStep, build_train_network
 from amp_compiler.verify import DtypeMismatch, verify
 from passes.op_policy import default_lists
@@ -12,6 +15,7 @@ __all__ = ["convert", "explain", "PrecisionReport", "TracingError", "AmpConfig",
            "default_lists", "verify", "DtypeMismatch"]
 __all__ += ["LossScaleManager", "FixedLossScaleManager", "DynamicLossScaleManager", "build_train_network",
             "TrainStep"]
+__all__ += ["GradScaler", "Overflow", "NonFiniteGradientsError"]
 __all__ += ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionReport", "ValidationReport"]
 __version__ = "0.1.0"
 

@@ -47,13 +47,11 @@ def run_demo(args) -> int:
         train_dtype = amp_compiler.config.resolve_dtype(args.train_dtype)
         print(f"== train {args.model} at O2, {args.train_dtype}, {args.steps} steps ==", flush=True)
         task = zoo.build(args.model, size="small", seed=0)
-        rows = demo_training(task, steps=args.steps, level="O2", dtype=train_dtype)
-        skipped = 0
-        for step, loss, scale, overflow in rows:
-            skipped += bool(overflow)
-            print(f"step {step:3d}  loss {loss:.4f}  loss scale {scale:g}  {'skipped (overflow)' if overflow else ''}",
-                  flush=True)
-        print(f"skipped steps: {skipped}/{len(rows)}")
+        rows, report = demo_training(task, steps=args.steps, level="O2", dtype=train_dtype)
+        for step, loss, scale, overflow, note in rows:
+            print(f"step {step:3d}  loss {loss:.4f}  loss scale {scale:g}  {note if overflow else ''}", flush=True)
+        print(f"skipped steps: {sum(bool(row[3]) for row in rows)}/{len(rows)}")
+        print(report)
     return 0
 
 

@@ -1,14 +1,17 @@
 """build_train_network: a whole mixed-precision training step as one fx graph (the seeds' API).
 
     step = build_train_network(model, optimizer, loss_fn, level="O2", dtype=torch.float16)
-    loss, overflow, loss_scale = step(x, y)        # the label comes last
+    loss, overflow, loss_scale = step(x, y)        # the label comes last; overflow: Overflow.NONE/SKIPPED/APPLIED
     print(step.graph_module.code)                  # forward, fp32 loss, scaled backward, unscale, overflow check
+    print(step.report())                           # steps applied and skipped, and why
 
 Each call runs the joint graph traced for these input shapes and the model's train/eval flags (traced on
 first sight, then cached), averages the gradients and the overflow flag over the process group when
 torch.distributed is initialised, writes the fp32 unscaled gradients to param.grad, then steps the
 optimizer, or on overflow skips it and puts back the BatchNorm statistics the forward had updated: the
 parameters, the optimizer state and the buffers stay bit-identical and only the loss scale changes.
+That skip is the rule at every level, with or without a manager, unless the manager says
+drop_overflow_update=False; more than bad_step_max non-finite steps in a row raise (bad_steps.py).
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from torch.utils import _pytree as pytree
 from amp_compiler.config import make_config
 from amp_compiler.convert import convert
 from amp_compiler.joint_graph import JointGraph, trace_joint_graph
-from amp_compiler.loss_scale import FixedLossScaleManager, default_loss_scale_manager
+from amp_compiler.bad_steps import BAD_STEP_MAX, BadStepLimit
+from amp_compiler.loss_scale import FixedLossScaleManager, LossScaleManager, default_loss_scale_manager
+from amp_compiler.step_outcome import Overflow, StepHistory
 
 # Distinct (shapes, train/eval) signatures kept traced; the oldest is dropped beyond this.
 MAX_CACHED_GRAPHS = 8
@@ -35,8 +40,9 @@ SEED_METHODS = ("get_loss_scale", "update_loss_scale", "get_drop_overflow_update
 class TrainStep:
     """`loss, overflow, loss_scale = step(*inputs, label)`: one training step of `converted` (fp32 masters).
 
-    `loss` is the unscaled fp32 loss (a 0-dim tensor), `overflow` whether any gradient was inf/nan (then
-    the update was dropped, unless the manager says otherwise), `loss_scale` the scale this step used.
+    `loss` is the unscaled fp32 loss (a 0-dim tensor), `overflow` an `Overflow`: falsy (NONE) when every
+    gradient was finite, else SKIPPED (the update was dropped) or APPLIED (the manager says
+    drop_overflow_update=False); `loss_scale` the scale this step used. `report()` sums the steps up.
     The step follows the train/eval mode of the model it was built from. It writes (never accumulates)
     param.grad, also on overflow, where the inf/nan show which gradients overflowed. Module attributes
     read by the forward (Dropout.p, ...) are fixed when a graph is traced: after changing one, call
@@ -50,9 +56,14 @@ class TrainStep:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.loss_scale_manager = loss_scale_manager
-        # Without a manager (O0/O1/O3 by default) the step is unscaled and, as in the seeds, not dropped.
+        # Without a manager (O0/O1/O3 by default) the step is unscaled; a non-finite update is still dropped.
         self._scaling = loss_scale_manager if loss_scale_manager is not None else \
-            FixedLossScaleManager(1.0, drop_overflow_update=False)
+            FixedLossScaleManager(1.0, drop_overflow_update=True)
+        # Our managers count non-finite steps themselves; a custom one (the seeds' 3 methods) is counted here.
+        self._bad_steps = None if isinstance(self._scaling, LossScaleManager) else \
+            BadStepLimit(getattr(self._scaling, "bad_step_max", BAD_STEP_MAX))
+        self.history = StepHistory()
+        self.last_note = ""
         self._named_parameters = list(converted.named_parameters())
         self._named_buffers = list(converted.named_buffers())
         self._tensors_by_name = {**dict(self._named_parameters), **dict(self._named_buffers)}
@@ -75,7 +86,7 @@ class TrainStep:
         inputs, label = self._split(inputs_and_label)
         return self._joint_graph(inputs, label, self._trainable()).graph_module
 
-    def __call__(self, *inputs_and_label) -> tuple[torch.Tensor, bool, float]:
+    def __call__(self, *inputs_and_label) -> tuple[torch.Tensor, Overflow, float]:
         inputs, label = self._split(inputs_and_label)
         trainable = self._trainable()
         joint = self._joint_graph(inputs, label, trainable)
@@ -95,10 +106,19 @@ class TrainStep:
             with torch.no_grad():
                 for tensor, saved in zip(mutated, before):
                     tensor.copy_(saved)
+            outcome = Overflow.SKIPPED
         else:
             self.optimizer.step()
+            outcome = Overflow.APPLIED if overflow else Overflow.NONE
         self._scaling.update_loss_scale(overflow)
-        return loss, overflow, scale
+        self.last_note = self.history.record(outcome, scale, float(self._scaling.get_loss_scale()))
+        if self._bad_steps is not None:
+            self._bad_steps.record(overflow, skipped=outcome is Overflow.SKIPPED, loss_scale=scale)
+        return loss, outcome, scale
+
+    def report(self) -> str:
+        """The steps so far: applied, skipped (and how many of those were the scale calibrating itself)."""
+        return self.history.summary()
 
     def clear_traced_graphs(self) -> None:
         """Forget every traced graph; the next call traces again (e.g. after changing Dropout.p)."""
@@ -145,8 +165,10 @@ def build_train_network(model: nn.Module, optimizer: torch.optim.Optimizer, loss
                         **overrides) -> TrainStep:
     """Convert `model` at `level` and return the training step; `overrides` are convert()'s options.
 
-    Loss-scale defaults follow the seeds: O2 scales dynamically in fp16 (scale 1 with non-finite steps
-    skipped in bf16); O0, O1 and O3 do not scale unless `loss_scale_manager` is given.
+    Loss-scale defaults: O2 scales fp16 dynamically from 2**16 (the seeds' manager starts at 2**24, which
+    only skips more first steps), bf16 at scale 1; O0, O1 and O3 do not scale unless `loss_scale_manager`
+    is given. Whatever the manager, a step with inf/nan gradients is skipped unless it says
+    drop_overflow_update=False.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"build_train_network needs a torch.nn.Module, got {type(model).__name__}")
@@ -168,21 +190,19 @@ def build_train_network(model: nn.Module, optimizer: torch.optim.Optimizer, loss
 
 
 def demo_training(task, steps: int = 5, level: str = "O2", dtype: torch.dtype = torch.float16,
-                  lr: float = 1e-3) -> list[tuple[int, float, float, bool]]:
-    """Train a copy of a zoo task's model for `steps` steps; one (step, loss, loss_scale, overflow) each.
-
-    A skipped step (overflow) shows the dynamic scale backing off; the task's model is left untouched.
-    """
+                  lr: float = 1e-3, loss_scale_manager=None) -> tuple[list[tuple], str]:
+    """Train a copy of a zoo task's model for `steps` steps; returns one (step, loss, loss_scale, overflow,
+    note) row per step and the step's report(). The task's model is left untouched."""
     model = copy.deepcopy(task.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     step = build_train_network(model, optimizer, task.loss_fn, level=level, dtype=dtype,
-                               example_inputs=task.example_inputs)
+                               loss_scale_manager=loss_scale_manager, example_inputs=task.example_inputs)
     rows = []
     for index in range(steps):
         inputs, target = task.make_batch(index)
         loss, overflow, loss_scale = step(*inputs, target)
-        rows.append((index, float(loss), loss_scale, overflow))
-    return rows
+        rows.append((index, float(loss), loss_scale, overflow, step.last_note))
+    return rows, step.report()
 
 
 def _synchronise(grads: list[torch.Tensor], found_inf: torch.Tensor) -> tuple[list[torch.Tensor], bool]:

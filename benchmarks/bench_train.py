@@ -1,6 +1,6 @@
 """Training benchmark: activation memory saved for backward per level, and step time against autocast.
 
-    python benchmarks/bench_train.py [--size small|full] [--models mlp,resnet] [--rounds 20]
+    python benchmarks/bench_train.py [--size small|full] [--models mlp,resnet] [--rounds 20] [--scale-steps 40]
 
 Table 1: bytes of tensors autograd saves for backward in one forward + fp32 loss of the converted model
 (torch.autograd.graph.saved_tensors_hooks; each storage counted once), at O0, O1, O2: activations, and
@@ -10,6 +10,9 @@ Table 2: milliseconds per training step (median over alternating rounds, all var
 loop so machine load hits them alike): fp32 eager; eager under torch.autocast(cpu, bf16) with
 torch.amp.GradScaler; build_train_network at O1 and O2 in bf16. Each variant trains its own copy of the
 same initial model with AdamW.
+Table 3: the first steps in fp16 (issue 10): steps skipped, the first applied step and the final loss (mean
+of the last 5 training losses) for build_train_network at O2 with the seeds' initial scale 2**24, with its
+default 2**16, and for eager torch.autocast(cpu, fp16) + torch.amp.GradScaler (2**16); fp32 for reference.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # models/ is not installed
 
-from amp_compiler import build_train_network, convert  # noqa: E402
+from amp_compiler import DynamicLossScaleManager, build_train_network, convert  # noqa: E402
 from models import ZOO_NAMES, build  # noqa: E402
 
 
@@ -65,18 +68,22 @@ def saved_bytes(task, level: str, dtype: torch.dtype) -> tuple[int, int]:
     return sum(activations.values()), sum(weight_copies.values())
 
 
-def autocast_step(model, loss_fn):
-    """The plain PyTorch recipe: autocast forward, GradScaler-scaled backward, skipped step on inf."""
+def autocast_step(model, loss_fn, dtype=torch.bfloat16):
+    """The plain PyTorch recipe: autocast forward, GradScaler-scaled backward, skipped step on inf.
+    Each step returns (loss, whether it was skipped)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
 
     def step(inputs, target):
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
             output = model(*inputs)
-        scaler.scale(loss_fn(output.float(), target)).backward()
+        loss = loss_fn(output.float(), target)
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
+        return loss, scaler.get_scale() < scale   # GradScaler backs off exactly when it skipped
     return step
 
 
@@ -85,16 +92,22 @@ def fp32_step(model, loss_fn):
 
     def step(inputs, target):
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(*inputs), target).backward()
+        loss = loss_fn(model(*inputs), target)
+        loss.backward()
         optimizer.step()
+        return loss, False
     return step
 
 
-def compiled_step(model, loss_fn, level, example_inputs):
+def compiled_step(model, loss_fn, level, example_inputs, dtype=torch.bfloat16, loss_scale_manager=None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train_step = build_train_network(model, optimizer, loss_fn, level=level, dtype=torch.bfloat16,
-                                     example_inputs=example_inputs)
-    return lambda inputs, target: train_step(*inputs, target)
+    train_step = build_train_network(model, optimizer, loss_fn, level=level, dtype=dtype,
+                                     loss_scale_manager=loss_scale_manager, example_inputs=example_inputs)
+
+    def step(inputs, target):
+        loss, overflow, _ = train_step(*inputs, target)
+        return loss, bool(overflow)
+    return step
 
 
 def step_times(task, rounds: int, warmup: int = 3) -> dict[str, float]:
@@ -115,11 +128,51 @@ def step_times(task, rounds: int, warmup: int = 3) -> dict[str, float]:
     return {name: 1000 * statistics.median(values) for name, values in times.items()}
 
 
+FIRST_STEP_VARIANTS = {   # name -> step factory(model, task); each trains in fp16 except the reference
+    "fp32": lambda model, task: fp32_step(model, task.loss_fn),
+    "O2 2**24": lambda model, task: compiled_step(model, task.loss_fn, "O2", task.example_inputs, torch.float16,
+                                                   DynamicLossScaleManager()),           # the seeds' manager
+    "O2 2**16": lambda model, task: compiled_step(model, task.loss_fn, "O2", task.example_inputs,
+                                                   torch.float16),                       # the step's default
+    "GradScaler": lambda model, task: autocast_step(model, task.loss_fn, torch.float16),
+}
+
+
+def first_steps(task, steps: int, variant: str) -> tuple[int, int | None, float]:
+    """(steps skipped, first applied step, mean loss of the last 5 steps) of one variant."""
+    step = FIRST_STEP_VARIANTS[variant](copy.deepcopy(task.model), task)
+    skipped, losses = [], []
+    for index in range(steps):
+        inputs, target = task.make_batch(index)
+        torch.manual_seed(index)  # the same dropout masks for every variant
+        loss, was_skipped = step(inputs, target)
+        skipped.append(was_skipped)
+        losses.append(float(loss.detach()))
+    first_applied = next((i for i, s in enumerate(skipped) if not s), None)
+    return sum(skipped), first_applied, sum(losses[-5:]) / 5
+
+
+def initial_scale_table(names, size: str, steps: int) -> None:
+    print(f"\nFirst steps in fp16, {steps} steps: skipped / first applied step / final loss (mean of the last 5)")
+    variants = [v for v in FIRST_STEP_VARIANTS if v != "fp32"]
+    print(f"{'model':8} " + " ".join(f"{v:>22}" for v in variants) + f" {'fp32 loss':>10}")
+    for name in names:
+        task = build(name, size=size)
+        cells = []
+        for variant in variants:
+            skipped, first, loss = first_steps(task, steps, variant)
+            cells.append(f"{skipped:>3} / {first if first is not None else '-':>3} / {loss:8.4f}")
+        reference = first_steps(task, steps, "fp32")[2]
+        print(f"{name:8} " + " ".join(f"{c:>22}" for c in cells) + f" {reference:10.4f}", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="full", choices=["small", "full"])
     parser.add_argument("--models", default=",".join(ZOO_NAMES))
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--scale-steps", type=int, default=40, help="training steps of the initial-scale table")
+    parser.add_argument("--tables", default="memory,time,scale", help="which tables to print")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                         help="low dtype for the memory table (the timing table uses bf16, as autocast on CPU)")
     args = parser.parse_args(argv)
@@ -127,22 +180,34 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, zoo size {args.size!r}\n")
 
-    print(f"Bytes saved for backward ({args.dtype}): activations, and the low-precision weight copies O2 saves "
+    tables = args.tables.split(",")
+    if "memory" in tables:
+        memory_table(names, args.size, dtype, args.dtype)
+    if "time" in tables:
+        time_table(names, args.size, args.rounds)
+    if "scale" in tables:
+        initial_scale_table(names, args.size, args.scale_steps)
+
+
+def memory_table(names, size: str, dtype: torch.dtype, dtype_name: str) -> None:
+    print(f"Bytes saved for backward ({dtype_name}): activations, and the low-precision weight copies O2 saves "
           "besides (target: O2/O0 activations <= 0.60)")
     print(f"{'model':8} {'O0':>12} {'O1':>12} {'O2':>12} {'O1/O0':>6} {'O2/O0':>6} {'target':>7} "
           f"{'O2 copies':>12} {'O2+copies/O0':>13}")
     for name in names:
-        task = build(name, size=args.size)
+        task = build(name, size=size)
         (o0, _), (o1, _), (o2, copies) = (saved_bytes(task, level, dtype) for level in ("O0", "O1", "O2"))
         verdict = "met" if o2 <= 0.6 * o0 else "MISSED"
         print(f"{name:8} {o0:12,d} {o1:12,d} {o2:12,d} {o1 / o0:6.2f} {o2 / o0:6.2f} {verdict:>7} "
               f"{copies:12,d} {(o2 + copies) / o0:13.2f}")
 
-    print(f"\nStep time, ms (median of {args.rounds} alternating rounds)")
+
+def time_table(names, size: str, rounds: int) -> None:
+    print(f"\nStep time, ms (median of {rounds} alternating rounds)")
     columns = ["fp32 eager", "autocast+GradScaler", "ours O1 bf16", "ours O2 bf16"]
     print(f"{'model':8} " + " ".join(f"{c:>20}" for c in columns) + f" {'O1/autocast':>12}")
     for name in names:
-        times = step_times(build(name, size=args.size), args.rounds)
+        times = step_times(build(name, size=size), rounds)
         ratio = times["ours O1 bf16"] / times["autocast+GradScaler"]
         print(f"{name:8} " + " ".join(f"{times[c]:20.2f}" for c in columns) + f" {ratio:12.2f}")
 

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from amp_compiler.loss_scale import (MAX_CONSECUTIVE_OVERFLOWS, DynamicLossScaleManager, FixedLossScaleManager,
+from amp_compiler.bad_steps import BAD_STEP_MAX, NonFiniteGradientsError
+from amp_compiler.loss_scale import (TRAIN_STEP_INIT_SCALE, DynamicLossScaleManager, FixedLossScaleManager,
                                      default_loss_scale_manager)
 
 
@@ -43,20 +44,23 @@ def test_dynamic_grows_after_window_clean_steps_counted_from_the_last_overflow()
 
 def test_more_than_1000_consecutive_overflows_raise():
     manager = DynamicLossScaleManager(init_loss_scale=1)
-    for _ in range(MAX_CONSECUTIVE_OVERFLOWS):
+    with pytest.warns(RuntimeWarning, match="50 consecutive training steps"):
+        for _ in range(BAD_STEP_MAX):
+            manager.update_loss_scale(True)
+    with pytest.raises(NonFiniteGradientsError, match="1001 consecutive training steps .* bad_step_max=1000"):
         manager.update_loss_scale(True)
-    with pytest.raises(RuntimeError, match="1001 consecutive steps"):
-        manager.update_loss_scale(True)
+    assert issubclass(NonFiniteGradientsError, RuntimeError)   # what the seeds raised
 
 
+@pytest.mark.filterwarnings("ignore:.*consecutive training steps")
 def test_a_clean_step_resets_the_consecutive_overflow_count():
     manager = DynamicLossScaleManager(init_loss_scale=1)
-    for _ in range(MAX_CONSECUTIVE_OVERFLOWS):
+    for _ in range(BAD_STEP_MAX):
         manager.update_loss_scale(True)
     manager.update_loss_scale(False)
-    for _ in range(MAX_CONSECUTIVE_OVERFLOWS):
+    for _ in range(BAD_STEP_MAX):
         manager.update_loss_scale(True)
-    assert manager.get_loss_scale() == 1
+    assert manager.get_loss_scale() == 1 and manager.bad_steps.consecutive == BAD_STEP_MAX
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -82,7 +86,8 @@ def test_fixed_keeps_its_scale_and_reports_drop_flag():
 
 
 def test_level_defaults_scale_fp16_dynamically_and_bf16_with_scale_one():
-    assert isinstance(default_loss_scale_manager("O2", torch.float16), DynamicLossScaleManager)
+    fp16 = default_loss_scale_manager("O2", torch.float16)
+    assert isinstance(fp16, DynamicLossScaleManager) and fp16.get_loss_scale() == TRAIN_STEP_INIT_SCALE == 2 ** 16
     bf16 = default_loss_scale_manager("O2", torch.bfloat16)
     assert isinstance(bf16, FixedLossScaleManager)
     assert bf16.get_loss_scale() == 1 and bf16.get_drop_overflow_update()
@@ -101,7 +106,8 @@ def test_dynamic_rule_invariants(overflows, window, factor):
         after = manager.get_loss_scale()
         clean_run = 0 if overflow else clean_run + 1
         if overflow:
-            assert after == max(before / factor, 1.0)
+            assert after == max(before * manager.get_backoff_factor(), 1.0)
+            assert manager.get_backoff_factor() == pytest.approx(1 / factor)
         elif clean_run % window == 0:
             assert after == before * factor
         else:
@@ -128,7 +134,7 @@ def plain_loop(scaler, model, data, poisoned_steps=()):
             model[0].weight.grad[0, 0] = float("nan") if index % 2 else float("inf")
         scaler.step(optimizer)
         scaler.update()
-        scales.append(scaler.get_scale() if hasattr(scaler, "get_scale") else scaler.get_loss_scale())
+        scales.append(scaler.get_scale())
     return scales, optimizer
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from amp_compiler import DynamicLossScaleManager, FixedLossScaleManager, build_train_network
+from amp_compiler import DynamicLossScaleManager, FixedLossScaleManager, Overflow, build_train_network
 from amp_compiler.train import demo_training
 from models import ZOO_NAMES, build
 
@@ -187,17 +187,6 @@ def test_bf16_default_is_scale_one_with_non_finite_steps_skipped():
     assert step(x, y)[1:] == (False, 1.0)
 
 
-def test_levels_without_a_manager_do_not_scale_or_drop_as_in_the_seeds():
-    model, batches = tiny_task()
-    step = build_train_network(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                               level="O1", dtype=torch.bfloat16)
-    assert step.loss_scale_manager is None
-    x, y = batches[0]
-    _, overflow, scale = step(torch.full_like(x, float("nan")), y)
-    assert overflow and scale == 1.0
-    assert not torch.isfinite(model.fc1.weight).all()
-
-
 # --- caching, train/eval, dropout, frozen parameters ---------------------------------------------------
 def test_new_shapes_are_traced_once_and_reused():
     model, batches = tiny_task(dropout=0.0)
@@ -287,14 +276,24 @@ def test_low_precision_master_weights_and_bad_managers_are_refused():
 
 
 # --- the demo and the zoo ----------------------------------------------------------------------------
-def test_demo_training_reports_loss_scale_and_skipped_steps():
+def test_demo_training_says_the_first_skips_are_the_scale_calibrating_itself():
     task = build("mlp")
     before = copy.deepcopy(task.model.state_dict())
-    rows = demo_training(task, steps=5, level="O2")
+    rows, report = demo_training(task, steps=5, level="O2", loss_scale_manager=DynamicLossScaleManager())
     assert [r[0] for r in rows] == list(range(5))
-    assert rows[0][2] == 2 ** 24 and rows[0][3] is True      # fp16 default: the scale backs off first
+    assert rows[0][2] == 2 ** 24 and rows[0][3] is Overflow.SKIPPED        # the seeds' scale starts too high
+    assert rows[0][4] == "skipped: the scale is calibrating itself (2**24 -> 2**23)"
+    skipped = sum(bool(r[3]) for r in rows)
+    assert report.startswith(f"5 steps: {5 - skipped} applied, {skipped} skipped")
+    assert f"{skipped} while the dynamic scale calibrated itself from 2**24 down to" in report
     assert all(math.isfinite(r[1]) for r in rows)
     assert all(torch.equal(v, task.model.state_dict()[k]) for k, v in before.items())
+
+
+def test_demo_training_default_starts_at_2_16_and_says_so_when_nothing_is_skipped():
+    rows, report = demo_training(build("mlp"), steps=3, level="O2")
+    assert rows[0][2] == 2 ** 16 and not any(r[3] for r in rows)
+    assert report == "3 steps: 3 applied, 0 skipped with inf/nan gradients"
 
 
 APPLIED_STEPS = 30
