@@ -1,7 +1,10 @@
 """convert(): the whole compiler as one readable pipeline.
 
     trace -> canonicalize -> propagate_values -> infer_dtypes -> decide_fx_precision -> plan_opaque_calls
-          -> lower_leaf_modules -> infer_dtypes -> insert_casts -> fold_casts -> GraphModule (+ gm.meta["amp"])
+          -> lower_leaf_modules -> infer_dtypes -> insert_casts -> fold_casts -> cast_after_layout_ops
+          -> GraphModule (+ gm.meta["amp"] summary)
+A model whose own forward cannot be captured runs as written with its children converted
+(convert_children).
 """
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.config import AmpConfig, make_config
-from amp_compiler.frontend import trace
+from amp_compiler.convert_children import convert_children
+from amp_compiler.frontend import TracingError, trace
 from passes.canonicalize import canonicalize
+from passes.cast_after_layout_ops import cast_after_layout_ops
 from passes.decide_fx_precision import decide_fx_precision
 from passes.fold_casts import count_casts, fold_casts
 from passes.infer_dtypes import infer_dtypes
@@ -31,7 +36,12 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     by default every dim torch.export can keep dynamic stays dynamic.
     """
     config = make_config(level, **overrides)
-    traced = trace(model, example_inputs, dynamic_shapes)
+    try:
+        traced = trace(model, example_inputs, dynamic_shapes)
+    except TracingError as error:
+        if example_inputs is None or not any(True for _ in model.children()):
+            raise
+        return convert_children(model, error, convert, level, example_inputs, **overrides)
     gm = traced.graph_module
     counts = run_pipeline(gm, config, example_inputs)
     gm.meta["amp"] = {
@@ -62,7 +72,8 @@ def run_pipeline(gm: fx.GraphModule, config: AmpConfig, example_inputs=None) -> 
         lambda: lower_leaf_modules(gm, low),       # low leaves read their params via get_attr: castable
         lambda: infer_dtypes(gm, example_inputs, low),  # re-run: dtypes the painted graph computes in
         lambda: insert_casts(gm, low, original_outputs, config.keep_io_types),
-        lambda: fold_casts(gm),                     # last: cleans up whatever the inserts left
+        lambda: fold_casts(gm),                     # cleans up whatever the inserts left
+        lambda: cast_after_layout_ops(gm),          # a transposed low activation slows matmuls 100x
     )
     for step in steps:
         counts.update(step().counts)

@@ -46,6 +46,8 @@ def explain(gm: fx.GraphModule) -> PrecisionReport:
     """Per-node report of a converted GraphModule: node, canonical op, dtype, the rule that decided it."""
     if "amp" not in getattr(gm, "meta", {}):
         raise ValueError("explain() needs a GraphModule returned by amp_compiler.convert()")
+    if "children" in gm.meta["amp"]:
+        return _explain_children(gm)
     low = gm.meta["amp"]["dtype"]
     rows, per_dtype, unknown = [], Counter(), []
     for node in gm.graph.nodes:
@@ -66,3 +68,17 @@ def explain(gm: fx.GraphModule) -> PrecisionReport:
     totals = {"nodes": sum(per_dtype.values()), "nodes_per_dtype": dict(per_dtype),
               "casts": sum(1 for n in gm.graph.nodes if is_cast(n)), "unknown_ops": unknown}
     return PrecisionReport(rows, totals, dict(gm.meta["amp"]))
+
+
+def _explain_children(module) -> PrecisionReport:
+    """A model whose own forward runs as written: the reports of its converted children, one table."""
+    rows, per_dtype, unknown, casts = [], Counter(), [], 0
+    for name in module.meta["amp"]["children"]:
+        child = explain(module.get_submodule(name))
+        rows += [{**row, "module": f"{name}.{row['module']}" if row["module"] else name} for row in child.rows]
+        per_dtype.update(child.totals["nodes_per_dtype"])
+        unknown += [op for op in child.totals["unknown_ops"] if op not in unknown]
+        casts += child.totals["casts"]
+    totals = {"nodes": sum(per_dtype.values()), "nodes_per_dtype": dict(per_dtype), "casts": casts,
+              "unknown_ops": unknown}
+    return PrecisionReport(rows, totals, dict(module.meta["amp"]))

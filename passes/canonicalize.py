@@ -88,6 +88,8 @@ def canonical_op(node: fx.Node, root: nn.Module) -> str:
                 return name
         if type(module).__name__ == "GuardsFn":  # torch.export's shape guards: checks, no math
             return "guards"
+        if hasattr(module, "amp_canonical_op"):  # the front end's own helper modules name their op
+            return module.amp_canonical_op
         return "module:" + type(module).__name__
     if node.op == "call_method":
         return _strip(target)

@@ -17,14 +17,15 @@ from passes.pass_result import PassResult
 
 
 @graph_leaf
-def amp_cast(value, dtype: torch.dtype):
-    """Cast fp32/fp16/bf16 tensors (also inside tuples, lists, dicts) to `dtype`; the rest passes through."""
+def amp_cast(value, dtype: torch.dtype, contiguous: bool = False):
+    """Cast fp32/fp16/bf16 tensors (also inside tuples, lists, dicts) to `dtype`; the rest passes through.
+    `contiguous`: write the copy in row-major order (a transposed input costs low-precision matmuls dearly)."""
     if isinstance(value, torch.Tensor):
         if value.dtype != dtype and value.dtype in (torch.float32, torch.float16, torch.bfloat16):
-            return value.to(dtype)
+            return value.to(dtype, memory_format=torch.contiguous_format if contiguous else torch.preserve_format)
         return value
     if isinstance(value, (tuple, list, dict)):
-        return torch.utils._pytree.tree_map(lambda leaf: amp_cast(leaf, dtype), value)
+        return torch.utils._pytree.tree_map(lambda leaf: amp_cast(leaf, dtype, contiguous), value)
     return value
 
 

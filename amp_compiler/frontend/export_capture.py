@@ -100,6 +100,7 @@ def _custom_functions_recorded():
 
 class TrainingFlag(nn.Module):
     """Returns its own `training` flag, so an exported graph follows train()/eval() like the model."""
+    amp_canonical_op = "training_flag"
 
     def forward(self) -> bool:
         return self.training
