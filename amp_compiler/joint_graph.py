@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
@@ -69,10 +70,14 @@ def trace_joint_graph(module: torch.nn.Module, loss_fn, trainable: dict[str, tor
             values[position] = tensor
         step_inputs, step_label = pytree.tree_unflatten(values, tree)
         parameters_and_buffers = {**dict(zip(trainable_names, params)), **dict(zip(state_names, rest))}
-        output = torch.func.functional_call(module, parameters_and_buffers, tuple(step_inputs))
-        loss = _scalar_loss(loss_fn(_to_fp32(output), _to_fp32(step_label)))
-        scaled_loss = loss * loss_scale
-        grads = torch.autograd.grad(scaled_loss, params, allow_unused=True) if params else ()
+        # What torch.func.functional_call does, held open through the backward too: a backward that
+        # recomputes by calling the modules again (reentrant activation checkpointing) must see the
+        # trace's parameters, not the real ones (it would write fake gradients into the real .grad).
+        with _reparametrize_module(module, parameters_and_buffers, tie_weights=True):
+            output = module(*step_inputs)
+            loss = _scalar_loss(loss_fn(_to_fp32(output), _to_fp32(step_label)))
+            scaled_loss = loss * loss_scale
+            grads = _gradients(scaled_loss, params)
         used = [(name, grad) for name, grad in zip(trainable_names, grads) if grad is not None]
         grad_names[:] = [name for name, _ in used]
         inv_scale = torch.reciprocal(loss_scale)
@@ -103,6 +108,22 @@ def trace_joint_graph(module: torch.nn.Module, loss_fn, trainable: dict[str, tor
     gm.recompile()
     gm.meta["amp_step"] = {"gradients": list(grad_names), "restored_on_overflow": mutated}
     return JointGraph(gm, trainable_names, list(grad_names), state_names, mutated)
+
+
+def _gradients(scaled_loss: torch.Tensor, params: tuple) -> list:
+    """d(scaled_loss)/d(params), None for a parameter the loss does not reach. Through backward() into
+    .grad rather than autograd.grad(): reentrant activation checkpointing (use_reentrant=True) refuses
+    to run under autograd.grad(); the params here are the trace's own leaves, so nothing else is touched."""
+    if not params:
+        return []
+    for param in params:
+        param.grad = None
+    if scaled_loss.requires_grad:
+        scaled_loss.backward()
+    grads = [param.grad for param in params]
+    for param in params:
+        param.grad = None
+    return grads
 
 
 def mark_step_roles(graph: fx.Graph, loss_scale: fx.Node) -> None:
