@@ -25,16 +25,16 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from amp_compiler.bad_steps import BAD_STEP_MAX, BadStepLimit
 from amp_compiler.config import make_config
 from amp_compiler.convert import convert
 from amp_compiler.joint_graph import JointGraph, trace_joint_graph
-from amp_compiler.bad_steps import BAD_STEP_MAX, BadStepLimit
 from amp_compiler.loss_scale import FixedLossScaleManager, LossScaleManager, default_loss_scale_manager
 from amp_compiler.step_outcome import Overflow, StepHistory
+from amp_compiler.train_checks import check_loss_scale_manager, check_train_arguments
 
 # Distinct (shapes, train/eval) signatures kept traced; the oldest is dropped beyond this.
 MAX_CACHED_GRAPHS = 8
-SEED_METHODS = ("get_loss_scale", "update_loss_scale", "get_drop_overflow_update")
 
 
 class TrainStep:
@@ -170,20 +170,11 @@ def build_train_network(model: nn.Module, optimizer: torch.optim.Optimizer, loss
     is given. Whatever the manager, a step with inf/nan gradients is skipped unless it says
     drop_overflow_update=False.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"build_train_network needs a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(output, label), got {type(loss_fn).__name__}")
-    _check_optimizer_holds_model(model, optimizer)
+    check_train_arguments(model, optimizer, loss_fn)
     config = make_config(level, dtype=dtype, **overrides)
     if loss_scale_manager is None:
         loss_scale_manager = default_loss_scale_manager(config.level, config.low_dtype)
-    missing = [m for m in SEED_METHODS if not callable(getattr(loss_scale_manager, m, None))]
-    if loss_scale_manager is not None and missing:
-        raise TypeError(f"loss_scale_manager must be a LossScaleManager (it lacks {', '.join(missing)}), "
-                        f"got {type(loss_scale_manager).__name__}")
+    check_loss_scale_manager(loss_scale_manager)
     converted = convert(model, level, example_inputs=example_inputs, dtype=dtype,
                         loss_scale_manager=loss_scale_manager, **overrides)
     return TrainStep(model, converted, optimizer, loss_fn, loss_scale_manager)
@@ -218,20 +209,6 @@ def _synchronise(grads: list[torch.Tensor], found_inf: torch.Tensor) -> tuple[li
         averaged.append(flat[offset:offset + grad.numel()].view_as(grad))
         offset += grad.numel()
     return averaged, overflow
-
-
-def _check_optimizer_holds_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    model_params = {id(p): (name, p) for name, p in model.named_parameters()}
-    held = [p for group in optimizer.param_groups for p in group["params"]]
-    mine = [model_params[id(p)] for p in held if id(p) in model_params]
-    if not mine:
-        raise ValueError(f"the optimizer holds none of the model's parameters ({len(held)} tensor(s), none of "
-                         f"them a parameter of {type(model).__name__}): build it from model.parameters()")
-    low = [(name, p.dtype) for name, p in mine if p.dtype in (torch.float16, torch.bfloat16)]
-    if low:
-        raise ValueError(f"parameter(s) {[name for name, _ in low[:3]]} are {low[0][1]}: the master weights "
-                         "must stay fp32 (do not call .half() on the model; the step makes the "
-                         "low-precision copies inside its graph)")
 
 
 def _training_flag_pairs(model: nn.Module, converted: fx.GraphModule) -> list[tuple[nn.Module, nn.Module]]:

@@ -1,6 +1,7 @@
 """Training benchmark: activation memory saved for backward per level, and step time against autocast.
 
     python benchmarks/bench_train.py [--size small|full] [--models mlp,resnet] [--rounds 20] [--scale-steps 40]
+    torchrun --nproc_per_node=2 benchmarks/bench_train.py --tables distributed     # CPU, gloo
 
 Table 1: bytes of tensors autograd saves for backward in one forward + fp32 loss of the converted model
 (torch.autograd.graph.saved_tensors_hooks; each storage counted once), at O0, O1, O2: activations, and
@@ -13,6 +14,9 @@ same initial model with AdamW.
 Table 3: the first steps in fp16 (issue 10): steps skipped, the first applied step and the final loss (mean
 of the last 5 training losses) for build_train_network at O2 with the seeds' initial scale 2**24, with its
 default 2**16, and for eager torch.autocast(cpu, fp16) + torch.amp.GradScaler (2**16); fp32 for reference.
+Table 4 (under torchrun): ms per step of the model converted at O2 bf16 in a plain loop with a
+DynamicLossScaleManager, each rank on its own batch: alone (no communication), in DDP, and sharded with
+FSDP2's fully_shard at the root; all ranks run every variant in the same rounds.
 """
 from __future__ import annotations
 
@@ -166,19 +170,67 @@ def initial_scale_table(names, size: str, steps: int) -> None:
         print(f"{name:8} " + " ".join(f"{c:>22}" for c in cells) + f" {reference:10.4f}", flush=True)
 
 
+def distributed_table(names, size: str, rounds: int, warmup: int = 3) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    wrappers = {"alone": lambda gm: gm, "DDP": DistributedDataParallel,
+                "FSDP2": lambda gm: fully_shard(gm, mesh=mesh)}
+    if rank == 0:
+        print(f"\nStep time, ms, O2 bf16 plain loop, {world} ranks (median of {rounds} rounds)")
+        print(f"{'model':8} " + " ".join(f"{w:>10}" for w in wrappers))
+    for name in names:
+        task = build(name, size=size)
+        steps = {label: plain_loop_step(wrap(convert(copy.deepcopy(task.model), "O2", dtype=torch.bfloat16,
+                                                     example_inputs=task.example_inputs)), task.loss_fn)
+                 for label, wrap in wrappers.items()}
+        times: dict[str, list[float]] = {label: [] for label in steps}
+        for index in range(warmup + rounds):
+            inputs, target = task.make_batch(index * world + rank)   # each rank its own batch
+            for label, step in steps.items():
+                dist.barrier()
+                start = time.perf_counter()
+                step(inputs, target)
+                if index >= warmup:
+                    times[label].append(time.perf_counter() - start)
+        if rank == 0:
+            print(f"{name:8} " + " ".join(f"{1000 * statistics.median(times[w]):10.2f}" for w in wrappers),
+                  flush=True)
+    dist.destroy_process_group()
+
+
+def plain_loop_step(model, loss_fn):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    manager = DynamicLossScaleManager(2.0 ** 8)   # all-reduces the overflow flag: every rank skips together
+
+    def step(inputs, target):
+        optimizer.zero_grad(set_to_none=True)
+        manager.scale(loss_fn(model(*inputs).float(), target)).backward()
+        manager.step(optimizer)
+        manager.update()
+    return step
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="full", choices=["small", "full"])
     parser.add_argument("--models", default=",".join(ZOO_NAMES))
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--scale-steps", type=int, default=40, help="training steps of the initial-scale table")
-    parser.add_argument("--tables", default="memory,time,scale", help="which tables to print")
+    parser.add_argument("--tables", default="memory,time,scale",
+                        help="which tables to print: memory, time, scale, distributed (the last under torchrun)")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                         help="low dtype for the memory table (the timing table uses bf16, as autocast on CPU)")
     args = parser.parse_args(argv)
     names = args.models.split(",")
     dtype = getattr(torch, args.dtype)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, zoo size {args.size!r}\n")
+    if os.environ.get("RANK", "0") == "0":   # under torchrun only the first rank prints
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, zoo size {args.size!r}")
 
     tables = args.tables.split(",")
     if "memory" in tables:
@@ -187,10 +239,12 @@ def main(argv=None) -> None:
         time_table(names, args.size, args.rounds)
     if "scale" in tables:
         initial_scale_table(names, args.size, args.scale_steps)
+    if "distributed" in tables:
+        distributed_table(names, args.size, args.rounds)
 
 
 def memory_table(names, size: str, dtype: torch.dtype, dtype_name: str) -> None:
-    print(f"Bytes saved for backward ({dtype_name}): activations, and the low-precision weight copies O2 saves "
+    print(f"\nBytes saved for backward ({dtype_name}): activations, and the low-precision weight copies O2 saves "
           "besides (target: O2/O0 activations <= 0.60)")
     print(f"{'model':8} {'O0':>12} {'O1':>12} {'O2':>12} {'O1/O0':>6} {'O2/O0':>6} {'target':>7} "
           f"{'O2 copies':>12} {'O2+copies/O0':>13}")

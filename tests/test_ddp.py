@@ -1,18 +1,11 @@
 """Two ranks (gloo, loopback): build_train_network averages gradients and all-reduces the overflow flag,
 and a converted GraphModule trains inside DistributedDataParallel with a loss-scale manager."""
-import datetime
-import os
-import socket
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from amp_compiler import DynamicLossScaleManager, build_train_network, convert
-
-WORLD_SIZE = 2
+from distributed_testing import WORLD_SIZE, gathered, run_on_two_ranks
 
 
 def make_model():
@@ -23,12 +16,6 @@ def make_model():
 def batch(rank, step):
     generator = torch.Generator().manual_seed(100 * rank + step)  # each rank its own data
     return torch.randn(16, 6, generator=generator), torch.randint(0, 3, (16,), generator=generator)
-
-
-def gathered(tensor):
-    copies = [torch.empty_like(tensor) for _ in range(WORLD_SIZE)]
-    dist.all_gather(copies, tensor.detach().contiguous())
-    return copies
 
 
 def assert_same_on_every_rank(model):
@@ -101,24 +88,10 @@ def check_converted_module_in_ddp_plain_loop(rank):
     assert_same_on_every_rank(model)
 
 
-def worker(rank, port):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
-                            timeout=datetime.timedelta(seconds=60))
+def check_both(rank):
     check_build_train_network(rank)
     check_converted_module_in_ddp_plain_loop(rank)
-    dist.barrier()
-    # Tearing gloo and its TCP store down at exit aborts now and then (std::terminate, ~1 run in 50 on
-    # this machine); once both ranks passed the barrier there is nothing left to clean up.
-    os._exit(0)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_ranks_train_identically_and_skip_overflow_together():
-    mp.spawn(worker, args=(free_port(),), nprocs=WORLD_SIZE, join=True)
+    run_on_two_ranks(check_both)
