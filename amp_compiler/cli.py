@@ -47,6 +47,9 @@ def run_demo(args) -> int:
         train_dtype = amp_compiler.config.resolve_dtype(args.train_dtype)
         print(f"== train {args.model} at O2, {args.train_dtype}, {args.steps} steps ==", flush=True)
         task = zoo.build(args.model, size="small", seed=0)
+        from amp_compiler.loss_scale import default_loss_scale_manager
+        print(f"scaling: {default_loss_scale_manager('O2', train_dtype)!r} (build_train_network's default; "
+              "an overflowing step is skipped and marked)", flush=True)
         rows, report = demo_training(task, steps=args.steps, level="O2", dtype=train_dtype)
         for step, loss, scale, overflow, note in rows:
             print(f"step {step:3d}  loss {loss:.4f}  loss scale {scale:g}  {note if overflow else ''}", flush=True)
