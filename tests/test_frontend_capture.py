@@ -389,3 +389,29 @@ def test_amp_cast_after_transpose_writes_a_contiguous_copy():
     with Strides():
         gm(torch.randn(5, 3, 8))
     assert seen and all(seen)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_activation_checkpointing_stays_one_node_that_recomputes():
+    torch.manual_seed(0)
+    model, x = Checkpointed(), torch.randn(3, 4)
+    model(x).sum().backward()
+    expected = model.block[0].weight.grad.clone()
+    model.zero_grad()
+    gm = convert(model, "O0")
+    assert list(gm.meta["amp"]["opaque"]) == ["checkpoint(block)"]
+    recomputed = []
+    handle = gm.get_submodule("block.0").register_forward_hook(lambda *_: recomputed.append(1))
+    gm(x).sum().backward()
+    handle.remove()
+    assert len(recomputed) == 2                       # forward, and again in backward
+    assert torch.equal(model.block[0].weight.grad, expected)

@@ -56,7 +56,7 @@ class AmpTracer(fx.Tracer):
     def trace(self, root, concrete_args=None):
         self._root_module = root
         self.output_spec = None
-        with _functions_traced_into(self), _autograd_functions_kept(self):
+        with _functions_traced_into(self), _autograd_functions_kept(self), _checkpoints_kept(self):
             return super().trace(root, concrete_args)
 
     def call_module(self, m, forward, args, kwargs):
@@ -150,6 +150,36 @@ def _autograd_functions_kept(tracer: AmpTracer):
         yield
     finally:
         function_cls.apply = original
+
+
+@contextlib.contextmanager
+def _checkpoints_kept(tracer: AmpTracer):
+    """torch.utils.checkpoint of a submodule stays one opaque node, so it still recomputes in backward
+    (traced into, its ops would be inlined: right gradients, no memory saved)."""
+    checkpoint_module = torch.utils.checkpoint
+    original = checkpoint_module.checkpoint
+
+    def checkpoint(function, *args, **kwargs):
+        module = getattr(function, "__self__", function)   # checkpoint(layer, x) or (layer.__call__, x)
+        path = _module_path(tracer, module) if isinstance(module, nn.Module) else None
+        if path is None or not _has_proxy((args, kwargs)):
+            return original(function, *args, **kwargs)
+        callee = tracer.create_proxy("get_attr", path, (), {})
+        why = "torch.utils.checkpoint: kept whole so it recomputes in backward"
+        return tracer.opaque_call(original, f"checkpoint({path})", why, (callee, *args), kwargs)
+
+    checkpoint_module.checkpoint = checkpoint
+    try:
+        yield
+    finally:
+        checkpoint_module.checkpoint = original
+
+
+def _module_path(tracer: AmpTracer, module: nn.Module) -> str | None:
+    try:
+        return tracer.path_of_module(module)
+    except NameError:
+        return None
 
 
 def _has_proxy(values) -> bool:
