@@ -1,0 +1,26 @@
+"""render(): a picture of what convert() did, as one HTML file that opens offline in any browser.
+
+    amp_compiler.render(gm, "graph.html")
+
+Nodes laid out by data flow and coloured by precision (low, fp32, untouched), casts as small diamonds on
+the edges they sit on, fp32 islands outlined in red, module paths as boxes that collapse to one node
+(large graphs open collapsed to the depth that shows at most 300 items), zoom and pan, each node's rule on
+hover and in a panel on click, search by name, op or module.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from amp_compiler.render_page import html_page
+from amp_compiler.render_view import fx_view
+
+
+def render(source, path, *, title: str | None = None) -> Path:
+    """Write the picture of `source` (a module returned by convert()) to `path` (.html); returns the path."""
+    path = Path(os.fspath(path))
+    if path.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"render() writes .html files, not {path.name!r}")
+    view = fx_view(source, title)
+    path.write_text(html_page(view), encoding="utf-8")
+    return path
