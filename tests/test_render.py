@@ -15,6 +15,7 @@ import amp_compiler
 from amp_compiler import convert, render
 from models import build
 from models.gpt import GPTConfig, GPTLanguageModel
+from test_frontend_capture import ListLoop
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 BROWSER = os.environ.get("AMP_BROWSER") or next(filter(None, map(shutil.which, BROWSERS)), None)
@@ -84,24 +85,8 @@ def test_the_view_holds_every_node_with_its_precision_and_rule(gpt_o1, tmp_path)
     assert all(i < position[n["name"]] for n in view["nodes"] for i in n["inputs"])   # edges point forward
 
 
-class ListModel(nn.Module):
-    """A forward over a list of images with a data-dependent size: only its children can be converted."""
-
-    def __init__(self):
-        super().__init__()
-        self.backbone = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
-
-    def forward(self, images):
-        out = []
-        for image in images:
-            features = self.backbone(image[None]).flatten()
-            keep = features[features > 0]
-            out.append(keep.sum() if keep.numel() > 3 else features.mean())
-        return torch.stack(out)
-
-
 def test_a_model_run_as_written_shows_its_converted_children(tmp_path):
-    model = ListModel()
+    model = ListLoop()      # a forward over a list of images: only its children convert
     converted = convert(model, "O1", dtype=torch.bfloat16, example_inputs=([torch.randn(3, 8, 8)],))
     assert "children" in converted.meta["amp"]
     view = embedded_view(render(converted, tmp_path / "graph.html"))
