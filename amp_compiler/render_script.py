@@ -299,21 +299,21 @@ GRAPH_SCRIPT = r"""
   byId("expand-all").onclick = () => { collapsed = new Set(); draw(); fit(); };
   byId("fit").onclick = fit;
   let found = [], foundAt = 0, lastQuery = "";
-  byId("search").addEventListener("keydown", ev => {
-    if (ev.key !== "Enter") return;
-    const q = ev.target.value.trim().toLowerCase();
+  function find(query) {
+    const q = query.trim().toLowerCase();
     if (!q) return;
     if (q !== lastQuery) {
       found = nodes.map((n, i) => i).filter(i => (nodes[i].name + " " + nodes[i].op + " " + data.modules[nodes[i].module])
         .toLowerCase().includes(q));
       foundAt = 0; lastQuery = q;
     }
-    byId("found").textContent = found.length ? (foundAt + 1) + "/" + found.length : "no match";
+    byId("found").textContent = found.length ? (foundAt % found.length + 1) + "/" + found.length : "no match";
     if (!found.length) return;
     const i = found[foundAt++ % found.length];
     ancestors[i].forEach(p => collapsed.delete(p));
     draw(); centreOn(i); select(i);
-  });
+  }
+  byId("search").addEventListener("keydown", ev => { if (ev.key === "Enter") find(ev.target.value); });
 
   const hash = decodeURIComponent(location.hash.slice(1));
   if (hash === "expand-all") collapsed = new Set();
@@ -321,6 +321,7 @@ GRAPH_SCRIPT = r"""
   else autoCollapse();
   draw();
   fit();
+  if (hash.startsWith("find=")) find(hash.slice(5));     // a link to one node: graph.html#find=softmax_3
   document.body.dataset.ready = "1";
 })();
 """

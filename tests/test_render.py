@@ -128,6 +128,9 @@ def test_chromium_draws_every_node_and_writes_a_screenshot(gpt_o1, tmp_path):
     assert sorted(drawn) == sorted(n.name for n in picture_nodes(gpt_o1))
     assert len(re.findall(r'<path [^>]*class="edge ', dom)) >= len(picture_nodes(gpt_o1)) - 2
     assert dom.count('class="module"') >= 3                       # layers, layers.0, layers.0.attention, ...
+    linked = headless(page, "--dump-dom", fragment="#find=softmax_1").stdout     # a link to one node
+    panel = re.search(r'<div id="info"[^>]*>(.*?)</div>', linked, re.S).group(1)
+    assert panel.startswith("softmax_1  (softmax)") and "fp32 island" in panel
     shot = tmp_path / "graph.png"
     headless(page, f"--screenshot={shot}", "--window-size=1400,900")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
