@@ -100,22 +100,27 @@ class Island:
 def fp32_islands(gm: fx.GraphModule) -> list[Island]:
     """fp32 nodes joined by fp32 -> fp32 edges, in graph order."""
     fp32 = [node for node in gm.graph.nodes if precision_of(node) == "fp32"]
-    parent = {node: node for node in fp32}
+    return [_island(group) for group in connected(fp32, lambda node: node.all_input_nodes)]
 
-    def root(node):
-        while parent[node] is not node:
-            parent[node] = parent[parent[node]]
-            node = parent[node]
-        return node
 
-    for node in fp32:
-        for source in node.all_input_nodes:
+def connected(items: list, inputs_of) -> list[list]:
+    """The groups of `items` joined by edges inputs_of(item) -> item between items; items in their order."""
+    parent = {item: item for item in items}
+
+    def root(item):
+        while parent[item] != item:
+            parent[item] = parent[parent[item]]
+            item = parent[item]
+        return item
+
+    for item in items:
+        for source in inputs_of(item):
             if source in parent:
-                parent[root(source)] = root(node)
-    members: dict[fx.Node, list[fx.Node]] = {}
-    for node in fp32:
-        members.setdefault(root(node), []).append(node)
-    return [_island(group) for group in members.values()]
+                parent[root(source)] = root(item)
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(root(item), []).append(item)
+    return list(groups.values())
 
 
 def _island(nodes: list[fx.Node]) -> Island:

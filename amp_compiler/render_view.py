@@ -18,7 +18,7 @@ from amp_compiler.graph_decisions import computed_dtype, fp32_islands, graph_sum
 IO_OPS = ("placeholder", "output")
 
 
-class _Interned(dict):
+class Interned(dict):
     """text -> index, in first-seen order."""
 
     def index(self, text: str) -> int:
@@ -30,7 +30,7 @@ def fx_view(module, title: str | None = None) -> dict:
     from amp_compiler.report import explain
     report = explain(module)
     summary = graph_summary(module)
-    rules, modules = _Interned(), _Interned()
+    rules, modules = Interned(), Interned()
     view = {"title": title or type(module).__name__.removesuffix("Amp"), "summary": report.summary_lines(),
             "subtitle": f"{summary['level']} {summary['dtype']}", "nodes": [], "islands": []}
     graphs = [(name, module.get_submodule(name)) for name in summary["children"]] \
@@ -41,7 +41,7 @@ def fx_view(module, title: str | None = None) -> dict:
     return view
 
 
-def _add_graph(view: dict, gm: fx.GraphModule, low: str, prefix: str, rules: _Interned, modules: _Interned):
+def _add_graph(view: dict, gm: fx.GraphModule, low: str, prefix: str, rules: Interned, modules: Interned):
     index: dict[fx.Node, int] = {}
     island_of = {}
     for island in fp32_islands(gm):

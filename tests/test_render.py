@@ -94,6 +94,38 @@ def test_a_model_run_as_written_shows_its_converted_children(tmp_path):
                                  if n["kind"] != "io")
 
 
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.softmax(self.a(x), -1))
+
+
+@pytest.fixture(scope="module")
+def onnx_fp16(tmp_path_factory):
+    path = tmp_path_factory.mktemp("onnx") / "head_fp16.onnx"
+    report = amp_compiler.export_onnx(Head(), (torch.randn(2, 8),), path, level="O1")
+    return path, report
+
+
+def test_an_onnx_file_is_drawn_from_its_types_with_the_reports_rules(onnx_fp16, tmp_path):
+    import onnx_ir as ir
+    path, report = onnx_fp16
+    model = ir.load(path)
+    view = embedded_view(render(path, tmp_path / "onnx.html", report=report))
+    assert len(view["nodes"]) == len(model.graph.inputs) + len(list(model.graph)) + len(model.graph.outputs)
+    assert sum(n["kind"] == "cast" for n in view["nodes"]) == report.casts > 0
+    softmax = next(n for n in view["nodes"] if n["op"] == "Softmax")
+    assert softmax["precision"] == "fp32" and view["rules"][softmax["rule"]].startswith("deny:")
+    assert view["islands"][softmax["island"]]["seed"] == softmax["name"]
+    assert {n["precision"] for n in view["nodes"] if n["op"] in ("MatMul", "Gemm")} == {"low"}
+    assert view["modules"][next(n for n in view["nodes"] if n["op"] in ("MatMul", "Gemm"))["module"]] == "a"
+    bare = embedded_view(render(str(path), tmp_path / "bare.html"))        # the file alone: types, no rules
+    assert "pass report=" in bare["rules"][next(n for n in bare["nodes"] if n["op"] == "Softmax")["rule"]]
+
+
 def test_only_html_is_written(gpt_o1, tmp_path):
     with pytest.raises(ValueError, match="writes .html"):
         render(gpt_o1, tmp_path / "graph.png")
@@ -134,6 +166,16 @@ def test_chromium_draws_every_node_and_writes_a_screenshot(gpt_o1, tmp_path):
     shot = tmp_path / "graph.png"
     headless(page, f"--screenshot={shot}", "--window-size=1400,900")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+@needs_browser
+def test_chromium_draws_an_onnx_page(onnx_fp16, tmp_path):
+    path, report = onnx_fp16
+    page = render(path, tmp_path / "onnx.html", report=report)
+    view = embedded_view(page)
+    dom = headless(page, "--dump-dom", fragment="#expand-all").stdout
+    assert 'data-errors' not in re.search(r"<html[^>]*>", dom).group(0)
+    assert int(body_data(dom)["nodes"]) == len(view["nodes"]) == len(re.findall(r'<g class="node ', dom))
 
 
 @needs_browser
