@@ -6,6 +6,7 @@ from amp_compiler.frontend import TracingError
 from amp_compiler.grad_scaler import GradScaler
 from amp_compiler.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 from amp_compiler.report import PrecisionReport, explain
+from amp_compiler.compare import ComparisonReport, compare
 from amp_compiler.render import render
 from amp_compiler.report_diff import PrecisionDiff, diff
 from amp_compiler.step_outcome import Overflow
@@ -18,7 +19,7 @@ __all__ = ["convert", "explain", "PrecisionReport", "TracingError", "AmpConfig",
 __all__ += ["LossScaleManager", "FixedLossScaleManager", "DynamicLossScaleManager", "build_train_network",
             "TrainStep"]
 __all__ += ["GradScaler", "Overflow", "NonFiniteGradientsError"]
-__all__ += ["diff", "PrecisionDiff", "render"]
+__all__ += ["diff", "PrecisionDiff", "render", "compare", "ComparisonReport"]
 __all__ += ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionReport", "ValidationReport"]
 __version__ = "0.1.0"
 

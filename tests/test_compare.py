@@ -1,0 +1,104 @@
+"""compare(): per-node error against fp32, the first node past tolerance, the chain that leads to it."""
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import amp_compiler
+from amp_compiler import compare, convert
+from models import build
+
+
+class MaskedAttention(nn.Module):
+    """A hand-written mask: masked_fill(-1e9), beyond fp16's range, then softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        scores = (self.q(x) @ self.k(x).transpose(-1, -2)).masked_fill(mask, -1e9)
+        return torch.softmax(scores, -1) @ x
+
+
+class Planted(nn.Module):
+    """An activation scaled by 1e5 between two matmuls: fine in fp32, past 65504 in fp16."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x) * 1e5)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    task = build("gpt", size="small", seed=0)
+    return task.model, convert(task.model, "O1", example_inputs=task.example_inputs), task.example_inputs
+
+
+def test_a_sound_conversion_passes_with_every_float_node_measured(gpt):
+    model, gm, inputs = gpt
+    report = compare(model, gm, inputs)
+    assert report.passed and report.first_failure is None and report.chain == [] and report.notes == []
+    float_nodes = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr", "placeholder")
+                   and n.meta["amp"].get("dtype") is not None and n.meta["amp"]["dtype"].is_floating_point]
+    assert {e.node for e in report.errors} >= {n.name for n in float_nodes if n.meta["amp"].get("precision") == "low"}
+    ranks = [e.max_rel for e in report.errors]
+    assert ranks == sorted(ranks, reverse=True) and 0 < ranks[0] < 1e-2
+    assert all(e.ulps < 8 for e in report.errors)              # a few fp16 steps, nowhere more
+    assert "no node past tolerance" in str(report)
+    assert model.training and gm.training                      # compared in eval mode, modes restored
+
+
+def test_the_first_node_past_tolerance_comes_with_its_chain(gpt):
+    model, gm, inputs = gpt
+    report = compare(model, gm, inputs, rtol=1e-5)
+    failing = [e.node for e in report.errors if not e.ok]
+    order = [n.name for n in gm.graph.nodes]
+    assert report.first_failure.node == min(failing, key=order.index)
+    assert report.chain[-1] == report.first_failure
+    chain_nodes = [order.index(e.node) for e in report.chain]
+    assert chain_nodes == sorted(chain_nodes)                  # from an input forward to the failure
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_the_fp16_cast_of_a_minus_1e9_mask_is_found(level):
+    torch.manual_seed(0)
+    model, x = MaskedAttention(), torch.randn(2, 4, 8)
+    mask = torch.zeros(2, 4, 4, dtype=torch.bool)
+    mask[0, 1] = True                                          # a fully masked row: -inf everywhere -> NaN
+    gm = convert(model, level, example_inputs=(x, mask))
+    report = compare(model, gm, (x, mask))
+    assert not report.passed
+    culprit = report.first_failure
+    assert culprit.op == "cast" and culprit.dtype == "float16" and culprit.non_finite > 0
+    assert [e.node for e in report.chain][-2:] == ["masked_fill", culprit.node]
+    assert report.errors[0].non_finite > 0                     # the worst-first list starts with non-finite
+    assert f"first node past tolerance: {culprit.node} (cast)" in str(report)
+    assert compare(model, convert(model, "O1", example_inputs=(x, mask)), (x, mask)).passed
+
+
+def test_a_planted_overflow_between_two_matmuls_is_found():
+    torch.manual_seed(0)
+    model, x = Planted(), torch.randn(4, 8)
+    report = compare(model, convert(model, "O1"), x)
+    assert not report.passed and math.isinf(report.outputs[0].max_abs)
+    assert report.first_failure.node == "mul_float16" and report.first_failure.non_finite > 0
+    assert compare(model, convert(model, "O1", dtype=torch.bfloat16), x).passed     # bf16 has the range
+
+
+def test_the_report_is_data_too(gpt):
+    model, gm, inputs = gpt
+    data = compare(model, gm, inputs).to_dict()
+    assert data["passed"] is True and data["low_dtype"] == "float16" and data["rtol"] == 1e-2
+    assert json.loads(json.dumps(data))["errors"][0].keys() >= {"node", "op", "max_abs", "max_rel", "ulps", "ok"}
+
+
+def test_only_converted_graphs_are_compared():
+    with pytest.raises(ValueError, match="GraphModule convert"):
+        compare(nn.Linear(2, 2), nn.Linear(2, 2), torch.randn(1, 2))
+    assert amp_compiler.compare is compare and "compare" in amp_compiler.__all__
