@@ -50,7 +50,7 @@ def computed_dtype(node: fx.Node, low: str) -> str:
 
 def module_of(node: fx.Node) -> str:
     """The module path a node belongs to; a weight cast (no module of its own) goes with its reader."""
-    module = node.meta.get("amp", {}).get("module", "")
+    module = node.meta.get("amp", {}).get("module") or ""      # O0 graphs record none
     if not module and is_cast(node):
         for user in node.users:
             return module_of(user)

@@ -52,8 +52,10 @@ class PrecisionReport:
         if s.get("leaf_modules"):
             lines += _leaf_lines(s["leaf_modules"])
         lines += [f"opaque: {where or '(whole model)'}: {why}" for where, why in s.get("opaque", {}).items()]
+        opaque = list(s.get("opaque", {}).values())
         for note in s.get("notes", []):
-            lines += wrapped("note", [note])
+            if not any(why in note for why in opaque):      # the opaque line above already says it
+                lines += wrapped("note", [note])
         return lines
 
     def counts(self) -> str:

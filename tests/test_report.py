@@ -151,3 +151,8 @@ def test_long_path_lists_fold_numbered_repeats():
 
 def test_public_names():
     assert amp_compiler.diff is diff and "diff" in amp_compiler.__all__
+
+
+def test_o0_reports_nothing_painted():
+    text = str(explain(convert(TwoIslands(), "O0")))
+    assert "nodes: none painted" in text and "0 casts" in text and "fp32 islands: none" in text
