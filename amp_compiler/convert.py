@@ -15,6 +15,7 @@ from torch import nn
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert_children import convert_children
 from amp_compiler.frontend import TracingError, trace
+from amp_compiler.graph_decisions import preserve_decisions
 from passes.canonicalize import canonicalize
 from passes.cast_after_layout_ops import cast_after_layout_ops
 from passes.decide_fx_precision import decide_fx_precision
@@ -50,6 +51,7 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
         "notes": traced.notes, "opaque": traced.opaque, "keep_io_types": config.keep_io_types, "casts": count_casts(gm),
         "pass_counts": counts, "loss_scale_manager": config.loss_scale_manager,
     }
+    preserve_decisions(gm)   # explain/render/compare keep working after torch.save / torch.load
     return gm
 
 

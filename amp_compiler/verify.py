@@ -34,8 +34,11 @@ class _Checker(fx.Interpreter):
 
 def verify(gm: fx.GraphModule, *inputs, **kwargs) -> None:
     """Run `gm` on `inputs` and raise DtypeMismatch at the first node whose dtype is not the recorded one."""
-    if "amp" not in gm.meta:
+    if "amp" not in getattr(gm, "meta", {}):
         raise ValueError("verify() needs a GraphModule returned by amp_compiler.convert()")
+    if "children" in gm.meta["amp"]:   # the model's own forward runs as written: check each converted child
+        _verify_children(gm, inputs, kwargs)
+        return
     flat = inputs
     codegen = gm.graph._codegen
     if isinstance(codegen, fx.graph._PyTreeCodeGen):   # the graph's placeholders are the flat inputs
@@ -44,3 +47,15 @@ def verify(gm: fx.GraphModule, *inputs, **kwargs) -> None:
         flat = (*inputs, *kwargs.values())
     with torch.no_grad():
         _Checker(gm).run(*flat)
+
+
+def _verify_children(model, inputs, kwargs) -> None:
+    children = [model.get_submodule(name) for name in model.meta["amp"]["children"]]
+    handles = [child.register_forward_pre_hook(lambda module, args, kw: verify(module, *args, **kw),
+                                               with_kwargs=True) for child in children]
+    try:
+        with torch.no_grad():
+            model(*inputs, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,476 @@
+"""Tiny, random-init versions of the architectures people actually convert, built in code (no downloads).
+
+``REAL_MODELS[name]`` is a :class:`RealModel`: ``build()`` returns a fresh, seeded fp32 model in eval mode,
+``make_inputs(size)`` the positional inputs for a batch of ``size`` (the node count for a PyG graph),
+deterministic for a given size, and ``output(result)`` the tensor the numerical checks compare (logits,
+last hidden state, segmentation map, sorted detection scores). Models in the training subset also carry
+``loss_fn(output, label)`` and ``make_label(size)``.
+
+Families: Hugging Face transformers (eager and sdpa attention), torchvision (classification, segmentation,
+detection), timm, PyTorch Geometric, and plain ``torch.nn`` recurrent/attention modules. torchvision is
+imported through ``models.torchvision_ops`` (the CUDA wheel that matches the torch pin lacks its C ops
+on the CPU build: the missing ``torchvision::nms`` schemas are defined there, with a small CPU nms).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # models/ is not installed
+
+from models.torchvision_ops import import_torchvision  # noqa: E402  (before transformers/timm import it)
+
+torchvision = import_torchvision()
+
+SEED = 0
+TEXT_LENGTH = 8
+VOCAB = 96
+IMAGE = 32
+PYG_FEATURES, PYG_CLASSES = 64, 7
+
+
+@dataclass(frozen=True)
+class RealModel:
+    name: str
+    family: str                                    # transformers, torchvision, timm, pyg, torch.nn
+    builder: Callable[[], nn.Module]
+    make_inputs: Callable[[int], tuple]            # size (batch, or graph node count) -> positional inputs
+    output: Callable[[Any], torch.Tensor]          # model output -> the tensor compared numerically
+    sizes: tuple[int, int] = (2, 3)                # conversion size, and a second size to call with
+    loss_fn: Callable | None = None                # training subset: loss_fn(output, label)
+    make_label: Callable[[int], torch.Tensor] | None = None
+
+    def build(self) -> nn.Module:
+        """A fresh fp32 model in eval mode; the same weights every call, the global RNG untouched.
+        Batch-norm statistics are calibrated on a batch of inputs (see calibrate_batch_norm)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            model = self.builder().float().eval()
+            if self.name not in _CALIBRATED:
+                _CALIBRATED[self.name] = calibrate_batch_norm(model, self.make_inputs(CALIBRATION_SIZE))
+            if _CALIBRATED[self.name]:
+                model.load_state_dict(_CALIBRATED[self.name], strict=False)
+        return model
+
+    def inputs(self, size: int | None = None) -> tuple:
+        return self.make_inputs(self.sizes[0] if size is None else size)
+
+
+CALIBRATION_SIZE = 32
+_CALIBRATED: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def calibrate_batch_norm(model: nn.Module, inputs: tuple) -> dict[str, torch.Tensor]:
+    """Set every batch norm's running statistics to those of the activations on `inputs`, as training
+    would; returns them (a state_dict subset). With freshly initialised statistics (mean 0, variance 1)
+    deep random-init CNNs shrink their activations layer after layer (MobileNetV3's logits ~1e-10,
+    EfficientNet's ~1e-13): below fp16's range, so every error comparison would be vacuous."""
+    norms = {name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and m.track_running_stats}
+    if not norms:
+        return {}
+    momenta = {name: module.momentum for name, module in norms.items()}
+    for module in norms.values():
+        module.reset_running_stats()
+        module.momentum, module.training = None, True     # cumulative average over the calibration call
+    with torch.no_grad():
+        model(*inputs)
+    for name, module in norms.items():
+        module.momentum, module.training = momenta[name], False
+    return {f"{name}.{key}": value.clone() for name, module in norms.items()
+            for key, value in module._buffers.items() if value is not None}
+
+
+def _generator(size: int, salt: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(1_000 * size + salt)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def _tokens(size: int, salt: int = 0, low: int = 3) -> torch.Tensor:
+    return torch.randint(low, VOCAB, (size, TEXT_LENGTH), generator=_generator(size, salt))
+
+
+def _padding_mask(size: int) -> torch.Tensor:
+    """1 for real tokens; every second sequence has its last two positions padded."""
+    mask = torch.ones(size, TEXT_LENGTH, dtype=torch.long)
+    mask[1::2, -2:] = 0
+    return mask
+
+
+def text_inputs(size: int) -> tuple:
+    return _tokens(size), _padding_mask(size)
+
+
+def gpt2_inputs(size: int) -> tuple:
+    return _tokens(size), None, _padding_mask(size)      # GPT2LMHeadModel.forward(input_ids, cache, attention_mask)
+
+
+def seq2seq_inputs(size: int) -> tuple:
+    return _tokens(size), _padding_mask(size), _tokens(size, salt=1)
+
+
+def image_inputs(size: int, image: int = IMAGE) -> tuple:
+    return (torch.randn(size, 3, image, image, generator=_generator(size)),)
+
+
+def _image_64(size: int) -> tuple:
+    return image_inputs(size, 64)
+
+
+def detection_inputs(size: int) -> tuple:
+    """torchvision detection models take a list of CHW images in [0, 1]."""
+    generator = _generator(size)
+    return ([torch.rand(3, 96, 96, generator=generator) for _ in range(size)],)
+
+
+def sequence_inputs(size: int) -> tuple:
+    return (torch.randn(size, 6, 16, generator=_generator(size)),)
+
+
+def attention_inputs(size: int) -> tuple:
+    key_padding_mask = torch.zeros(size, TEXT_LENGTH, dtype=torch.bool)
+    key_padding_mask[1::2, -2:] = True
+    return torch.randn(size, TEXT_LENGTH, 16, generator=_generator(size)), key_padding_mask
+
+
+def graph_inputs(num_nodes: int) -> tuple:
+    """A Cora-like citation graph: binary bag-of-words features, sparse undirected citations."""
+    generator = _generator(num_nodes)
+    features = (torch.rand(num_nodes, PYG_FEATURES, generator=generator) < 0.1).float()
+    num_edges = 2 * num_nodes
+    source = torch.randint(num_nodes, (num_edges,), generator=generator)
+    target = torch.randint(num_nodes, (num_edges,), generator=generator)
+    edge_index = torch.stack([torch.cat([source, target]), torch.cat([target, source])])
+    return features, edge_index
+
+
+# --------------------------------------------------------------------------------------------- outputs
+def logits(out) -> torch.Tensor:
+    return out.logits
+
+
+def last_hidden_state(out) -> torch.Tensor:
+    return out.last_hidden_state
+
+
+def segmentation_map(out) -> torch.Tensor:
+    return out["out"]
+
+
+def first(out) -> torch.Tensor:
+    return out[0]
+
+
+def tensor(out) -> torch.Tensor:
+    return out
+
+
+def detection_scores(out) -> torch.Tensor:
+    """The top detection scores of each image, sorted: continuous in the inputs (nms never suppresses,
+    see _ssdlite), unlike the order of the boxes."""
+    return torch.stack([d["scores"].sort(descending=True).values for d in out])
+
+
+# ---------------------------------------------------------------------------------------- transformers
+def _hf(model_class: str, config_class: str, attn: str, **config):
+    import transformers
+    config = getattr(transformers, config_class)(**config)
+    config._attn_implementation = attn
+    return getattr(transformers, model_class)(config)
+
+
+_BERT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+             max_position_embeddings=64, type_vocab_size=2)
+
+
+def _bert(attn: str) -> nn.Module:
+    return _hf("BertModel", "BertConfig", attn, **_BERT)
+
+
+def _bert_classifier() -> nn.Module:
+    return _hf("BertForSequenceClassification", "BertConfig", "sdpa", **_BERT, num_labels=3)
+
+
+def _gpt2(attn: str) -> nn.Module:
+    return _hf("GPT2LMHeadModel", "GPT2Config", attn, vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2,
+               n_head=2, use_cache=False)
+
+
+def _llama() -> nn.Module:
+    return _hf("LlamaForCausalLM", "LlamaConfig", "sdpa", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+               use_cache=False)
+
+
+def _t5() -> nn.Module:
+    return _hf("T5ForConditionalGeneration", "T5Config", "eager", vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64,
+               num_layers=2, num_decoder_layers=2, num_heads=2, relative_attention_num_buckets=8,
+               relative_attention_max_distance=16, decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+
+
+def _bart() -> nn.Module:
+    return _hf("BartModel", "BartConfig", "sdpa", vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+               encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+               max_position_embeddings=64, use_cache=False)
+
+
+def _distilbert() -> nn.Module:
+    return _hf("DistilBertModel", "DistilBertConfig", "eager", vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2,
+               hidden_dim=64, max_position_embeddings=64)
+
+
+def _vit_hf() -> nn.Module:
+    return _hf("ViTForImageClassification", "ViTConfig", "sdpa", image_size=IMAGE, patch_size=8, hidden_size=32,
+               num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=10)
+
+
+WHISPER_MELS, WHISPER_POSITIONS = 16, 16
+
+
+def _whisper() -> nn.Module:
+    return _hf("WhisperModel", "WhisperConfig", "sdpa", vocab_size=VOCAB, num_mel_bins=WHISPER_MELS, d_model=32,
+               encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+               encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=WHISPER_POSITIONS,
+               max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+               decoder_start_token_id=1, use_cache=False)
+
+
+def whisper_inputs(size: int) -> tuple:
+    # Whisper's encoder wants exactly 2 * max_source_positions frames (its two convolutions halve them once).
+    features = torch.randn(size, WHISPER_MELS, 2 * WHISPER_POSITIONS, generator=_generator(size))
+    return features, None, _tokens(size, salt=1)
+
+
+def _wav2vec2() -> nn.Module:
+    # Its positional convolution carries a weight_norm parametrization (issue 7, item 7).
+    return _hf("Wav2Vec2ForCTC", "Wav2Vec2Config", "eager", vocab_size=32, hidden_size=32, num_hidden_layers=2,
+               num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+               conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2)
+
+
+def audio_inputs(size: int) -> tuple:
+    return (torch.randn(size, 400, generator=_generator(size)),)
+
+
+# ----------------------------------------------------------------------------------------- torchvision
+def _resnet() -> nn.Module:
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def _mobilenet_v3() -> nn.Module:
+    return torchvision.models.mobilenet_v3_small(num_classes=10)
+
+
+def _efficientnet() -> nn.Module:
+    return torchvision.models.efficientnet_b0(num_classes=10)
+
+
+def _convnext() -> nn.Module:
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+    return ConvNeXt([CNBlockConfig(16, 32, 1), CNBlockConfig(32, 64, 1), CNBlockConfig(64, None, 1)],
+                    num_classes=10)
+
+
+def _vit_tv() -> nn.Module:
+    model = torchvision.models.VisionTransformer(image_size=IMAGE, patch_size=8, num_layers=2, num_heads=2,
+                                                 hidden_dim=32, mlp_dim=64, num_classes=10)
+    nn.init.normal_(model.heads.head.weight, std=0.1)   # torchvision zero-initialises the head: outputs all 0
+    return model
+
+
+def _swin() -> nn.Module:
+    from torchvision.models.swin_transformer import SwinTransformer
+    return SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=[4, 4],
+                           num_classes=10)
+
+
+def _deeplab() -> nn.Module:
+    return torchvision.models.segmentation.deeplabv3_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=3, aux_loss=False)
+
+
+def _ssdlite() -> nn.Module:
+    # nms_thresh 1.0: nothing is suppressed, so the top scores are a continuous function of the inputs.
+    model = torchvision.models.detection.ssdlite320_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=3, detections_per_img=20, topk_candidates=50,
+        nms_thresh=1.0)
+    model.transform.min_size, model.transform.max_size, model.transform.fixed_size = (96,), 96, (96, 96)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------ timm
+def _timm(name: str, **kwargs) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import timm
+        return timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+    return build
+
+
+# ------------------------------------------------------------------------------------------------- PyG
+class TwoLayerGNN(nn.Module):
+    """dropout -> conv1 -> activation -> dropout -> conv2 -> log_softmax, as the Cora examples do."""
+
+    def forward(self, x, edge_index):
+        x = F.dropout(x, p=self.p, training=self.training)
+        x = self.activation(self.conv1(x, edge_index))
+        x = F.dropout(x, p=self.p, training=self.training)
+        return F.log_softmax(self.conv2(x, edge_index), dim=1)
+
+
+class GCN(TwoLayerGNN):
+    """The classic Cora example (Kipf & Welling): two GCNConv layers, dropout, log_softmax."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        from torch_geometric.nn import GCNConv
+        self.conv1, self.conv2 = GCNConv(PYG_FEATURES, hidden), GCNConv(hidden, PYG_CLASSES)
+        self.p, self.activation = 0.5, F.relu
+
+
+
+class GAT(TwoLayerGNN):
+    """The Cora GAT example: 4 attention heads, ELU, one averaged output head, log_softmax."""
+
+    def __init__(self, hidden: int = 8, heads: int = 4):
+        super().__init__()
+        from torch_geometric.nn import GATConv
+        self.conv1 = GATConv(PYG_FEATURES, hidden, heads=heads, dropout=0.6)
+        self.conv2 = GATConv(hidden * heads, PYG_CLASSES, heads=1, concat=False, dropout=0.6)
+        self.p, self.activation = 0.6, F.elu
+
+
+
+# -------------------------------------------------------------------------------------------- torch.nn
+class LSTMClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(16, 32, num_layers=2, batch_first=True)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        return self.head(out[:, -1]), h
+
+
+class GRUTagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(16, 32, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        out, _ = self.gru(x)
+        return self.head(out)
+
+
+class TokenTransformerEncoder(nn.Module):
+    """nn.Embedding -> nn.TransformerEncoder -> mean pool -> Linear (issue 7, item 1 broke this at O1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+class SelfAttentionBlock(nn.Module):
+    """Linear -> nn.MultiheadAttention (with a key padding mask) -> residual LayerNorm -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 32)
+        self.attn = nn.MultiheadAttention(32, 2, batch_first=True)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x, key_padding_mask):
+        h = self.proj(x)
+        attended, _ = self.attn(h, h, h, key_padding_mask=key_padding_mask)
+        return self.head(self.norm(h + attended))
+
+
+# ---------------------------------------------------------------------------------------- training data
+def _class_label(classes: int) -> Callable[[int], torch.Tensor]:
+    return lambda size: torch.randint(classes, (size,), generator=_generator(size, salt=7))
+
+
+def _token_label(size: int) -> torch.Tensor:
+    return _tokens(size, salt=7, low=0)
+
+
+def _cross_entropy(out, label):
+    return F.cross_entropy(out, label)
+
+
+def _logits_cross_entropy(out, label):
+    return F.cross_entropy(out.logits, label)
+
+
+def _lm_cross_entropy(out, label):
+    return F.cross_entropy(out.logits.flatten(0, 1), label.flatten())
+
+
+def _nll(out, label):
+    return F.nll_loss(out, label)
+
+
+# ------------------------------------------------------------------------------------------- registry
+_ALL = [
+    # transformers
+    RealModel("hf_bert_eager", "transformers", lambda: _bert("eager"), text_inputs, last_hidden_state),
+    RealModel("hf_bert_sdpa", "transformers", lambda: _bert("sdpa"), text_inputs, last_hidden_state),
+    RealModel("hf_bert_classifier", "transformers", _bert_classifier, text_inputs, logits,
+              loss_fn=_logits_cross_entropy, make_label=_class_label(3)),
+    RealModel("hf_gpt2_eager", "transformers", lambda: _gpt2("eager"), gpt2_inputs, logits,
+              loss_fn=_lm_cross_entropy, make_label=_token_label),
+    RealModel("hf_gpt2_sdpa", "transformers", lambda: _gpt2("sdpa"), gpt2_inputs, logits),
+    RealModel("hf_llama", "transformers", _llama, text_inputs, logits),
+    RealModel("hf_t5", "transformers", _t5, seq2seq_inputs, logits),
+    RealModel("hf_bart", "transformers", _bart, seq2seq_inputs, last_hidden_state),
+    RealModel("hf_distilbert", "transformers", _distilbert, text_inputs, last_hidden_state),
+    RealModel("hf_vit", "transformers", _vit_hf, image_inputs, logits),
+    RealModel("hf_whisper", "transformers", _whisper, whisper_inputs, last_hidden_state),
+    RealModel("hf_wav2vec2", "transformers", _wav2vec2, audio_inputs, logits),
+    # torchvision
+    RealModel("tv_resnet18", "torchvision", _resnet, image_inputs, tensor, sizes=(4, 3),
+              loss_fn=_cross_entropy, make_label=_class_label(10)),
+    RealModel("tv_mobilenet_v3", "torchvision", _mobilenet_v3, _image_64, tensor),
+    RealModel("tv_efficientnet_b0", "torchvision", _efficientnet, _image_64, tensor),
+    RealModel("tv_convnext", "torchvision", _convnext, image_inputs, tensor),
+    RealModel("tv_vit", "torchvision", _vit_tv, image_inputs, tensor),
+    RealModel("tv_swin", "torchvision", _swin, image_inputs, tensor),
+    RealModel("tv_deeplabv3", "torchvision", _deeplab, _image_64, segmentation_map),
+    RealModel("tv_ssdlite", "torchvision", _ssdlite, detection_inputs, detection_scores),
+    # timm
+    RealModel("timm_deit", "timm", _timm("deit_tiny_patch16_224", img_size=IMAGE, patch_size=8, depth=2),
+              image_inputs, tensor),
+    RealModel("timm_regnet", "timm", _timm("regnetx_002"), image_inputs, tensor),
+    RealModel("timm_convnext", "timm", _timm("convnext_atto"), image_inputs, tensor),
+    RealModel("timm_mobilenetv3", "timm", _timm("mobilenetv3_small_050"), _image_64, tensor, sizes=(4, 3),
+              loss_fn=_cross_entropy, make_label=_class_label(10)),
+    # PyTorch Geometric (size = number of nodes)
+    RealModel("pyg_gcn", "pyg", GCN, graph_inputs, tensor, sizes=(140, 97),
+              loss_fn=_nll, make_label=_class_label(PYG_CLASSES)),
+    RealModel("pyg_gat", "pyg", GAT, graph_inputs, tensor, sizes=(140, 97)),
+    # torch.nn
+    RealModel("nn_lstm", "torch.nn", LSTMClassifier, sequence_inputs, first),
+    RealModel("nn_gru", "torch.nn", GRUTagger, sequence_inputs, tensor),
+    RealModel("nn_transformer_encoder", "torch.nn", TokenTransformerEncoder, lambda s: (_tokens(s),), tensor),
+    RealModel("nn_multihead_attention", "torch.nn", SelfAttentionBlock, attention_inputs, tensor),
+]
+REAL_MODELS: dict[str, RealModel] = {spec.name: spec for spec in _ALL}
+REAL_MODEL_NAMES = tuple(REAL_MODELS)
+TRAIN_NAMES = tuple(name for name, spec in REAL_MODELS.items() if spec.loss_fn is not None)
+ONNX_NAMES = ("tv_resnet18", "tv_mobilenet_v3", "hf_bert_sdpa", "hf_gpt2_eager", "hf_vit")
+
+__all__ = ["RealModel", "REAL_MODELS", "REAL_MODEL_NAMES", "TRAIN_NAMES", "ONNX_NAMES", "torchvision"]
