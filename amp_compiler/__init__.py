@@ -1,4 +1,7 @@
 """amp-compiler: automatic mixed precision as fx graph passes, with every decision explained."""
+from amp_compiler import legacy_names
+
+legacy_names.install()   # before anything else: files saved by the previous release name old modules
 from amp_compiler.bad_steps import NonFiniteGradientsError
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert import convert
@@ -12,7 +15,7 @@ from amp_compiler.report_diff import PrecisionDiff, diff
 from amp_compiler.step_outcome import Overflow
 from amp_compiler.train import TrainStep, build_train_network
 from amp_compiler.verify import DtypeMismatch, verify
-from passes.op_policy import default_lists
+from amp_compiler.passes.op_policy import default_lists
 
 __all__ = ["convert", "explain", "PrecisionReport", "TracingError", "AmpConfig", "make_config",
            "default_lists", "verify", "DtypeMismatch"]

@@ -19,16 +19,16 @@ from onnx_ir.passes.common import TopologicalSortPass
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.onnx_files import load_onnx_model, require_float_tensors, save_onnx_model, weight_bytes
 from amp_compiler.onnx_report import OnnxConversionReport, count_casts, decision_rows
-from passes.decide_onnx_precision import decide_onnx_precision
-from passes.fold_onnx_casts import fold_onnx_casts
-from passes.infer_onnx_types import infer_onnx_types
-from passes.insert_onnx_casts import insert_onnx_casts
-from passes.lower_onnx_graph_inputs import lower_onnx_graph_inputs
-from passes.onnx_canonicalize import onnx_canonicalize
-from passes.pass_result import PassResult
-from passes.store_moved_onnx_weights_low import store_moved_onnx_weights_low
-from passes.strip_onnx_float_casts import strip_onnx_float_casts
-from passes.unique_onnx_names import unique_onnx_names
+from amp_compiler.passes.decide_onnx_precision import decide_onnx_precision
+from amp_compiler.passes.fold_onnx_casts import fold_onnx_casts
+from amp_compiler.passes.infer_onnx_types import infer_onnx_types
+from amp_compiler.passes.insert_onnx_casts import insert_onnx_casts
+from amp_compiler.passes.lower_onnx_graph_inputs import lower_onnx_graph_inputs
+from amp_compiler.passes.onnx_canonicalize import onnx_canonicalize
+from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.store_moved_onnx_weights_low import store_moved_onnx_weights_low
+from amp_compiler.passes.strip_onnx_float_casts import strip_onnx_float_casts
+from amp_compiler.passes.unique_onnx_names import unique_onnx_names
 
 IR_LOW_DTYPES = {torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
 

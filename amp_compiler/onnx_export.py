@@ -27,15 +27,15 @@ from amp_compiler.onnx_convert import IR_LOW_DTYPES, conversion_warnings
 from amp_compiler.onnx_files import save_onnx_model, weight_bytes
 from amp_compiler.onnx_report import OnnxConversionReport, count_casts
 from amp_compiler.report import explain
-from passes.fold_onnx_casts import fold_onnx_casts
-from passes.insert_casts import amp_cast
-from passes.lower_leaf_modules import amp_module_call
-from passes.lower_onnx_graph_inputs import lower_onnx_graph_inputs
-from passes.onnx_dtype_rules import FP16_MAX, is_float_type
-from passes.pass_result import PassResult
-from passes.unify_onnx_input_types import unify_onnx_input_types
-from passes.unique_onnx_names import unique_onnx_names
-from passes.widen_refused_onnx_nodes import widen_refused_onnx_nodes
+from amp_compiler.passes.fold_onnx_casts import fold_onnx_casts
+from amp_compiler.passes.insert_casts import amp_cast
+from amp_compiler.passes.lower_leaf_modules import amp_module_call
+from amp_compiler.passes.lower_onnx_graph_inputs import lower_onnx_graph_inputs
+from amp_compiler.passes.onnx_dtype_rules import FP16_MAX, is_float_type
+from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.unify_onnx_input_types import unify_onnx_input_types
+from amp_compiler.passes.unique_onnx_names import unique_onnx_names
+from amp_compiler.passes.widen_refused_onnx_nodes import widen_refused_onnx_nodes
 
 
 def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.float16, keep_io_types: bool = True,

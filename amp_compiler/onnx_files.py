@@ -10,8 +10,8 @@ import os
 
 import onnx_ir as ir
 
-from passes.onnx_cast_nodes import model_graphs
-from passes.onnx_dtype_rules import is_float_value
+from amp_compiler.passes.onnx_cast_nodes import model_graphs
+from amp_compiler.passes.onnx_dtype_rules import is_float_value
 
 # Protobuf cannot serialise 2 GiB; stay well below so graph and attributes fit beside the weights.
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000

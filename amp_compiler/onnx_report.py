@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from passes.onnx_canonicalize import all_nodes
-from passes.onnx_cast_nodes import cast_target, dtype_name, is_cast
+from amp_compiler.passes.onnx_canonicalize import all_nodes
+from amp_compiler.passes.onnx_cast_nodes import cast_target, dtype_name, is_cast
 
 
 @dataclass

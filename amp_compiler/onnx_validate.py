@@ -23,8 +23,8 @@ from torch import nn
 
 from amp_compiler.onnx_files import load_onnx_model
 from amp_compiler.onnx_sessions import execution_providers, make_session
-from passes.infer_onnx_types import infer_onnx_types
-from passes.onnx_dtype_rules import is_float_value
+from amp_compiler.passes.infer_onnx_types import infer_onnx_types
+from amp_compiler.passes.onnx_dtype_rules import is_float_value
 
 CPU_NOTE = ("CPUExecutionProvider runs most fp16 ops in fp32: this checks loading, types and rough agreement, "
             "not fp16 overflow or rounding")

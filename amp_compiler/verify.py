@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from passes.infer_dtypes import dtype_name, value_dtype
+from amp_compiler.passes.infer_dtypes import dtype_name, value_dtype
 
 
 class DtypeMismatch(AssertionError):

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from passes.pass_result import PassResult
+from amp_compiler.passes.pass_result import PassResult
 
 # Leaf module classes, most specific first (isinstance order matters for subclasses).
 MODULE_OPS: tuple[tuple[type, str], ...] = (

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from passes.infer_dtypes import dtype_name
-from passes.insert_casts import is_cast
-from passes.pass_result import PassResult
+from amp_compiler.passes.infer_dtypes import dtype_name
+from amp_compiler.passes.insert_casts import is_cast
+from amp_compiler.passes.pass_result import PassResult
 
 LAYOUT_OPS = {"transpose", "permute", "t", "swapaxes", "movedim"}
 

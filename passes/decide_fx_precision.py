@@ -11,10 +11,10 @@ from __future__ import annotations
 import networkx as nx
 import torch.fx as fx
 
-from passes.infer_dtypes import is_float
-from passes.paint_precision import PAINTABLE, paint_precision
-from passes.pass_result import PassResult
-from passes.rules import PrecisionRules
+from amp_compiler.passes.infer_dtypes import is_float
+from amp_compiler.passes.paint_precision import PAINTABLE, paint_precision
+from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.rules import PrecisionRules
 
 
 def module_path(node: fx.Node) -> str:

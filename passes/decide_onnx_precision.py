@@ -19,13 +19,13 @@ import networkx as nx
 import numpy as np
 import onnx_ir as ir
 
-from passes.onnx_canonicalize import all_nodes
-from passes.onnx_cast_nodes import model_graphs
-from passes.onnx_dtype_rules import (FP16_MAX, input_role, is_float_value, is_onnx_op, low_precision_blocker,
+from amp_compiler.passes.onnx_canonicalize import all_nodes
+from amp_compiler.passes.onnx_cast_nodes import model_graphs
+from amp_compiler.passes.onnx_dtype_rules import (FP16_MAX, input_role, is_float_value, is_onnx_op, low_precision_blocker,
                                      subgraphs_of)
-from passes.paint_precision import PAINTABLE, paint_precision
-from passes.pass_result import PassResult
-from passes.rules import PrecisionRules
+from amp_compiler.passes.paint_precision import PAINTABLE, paint_precision
+from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.rules import PrecisionRules
 
 
 def decide_onnx_precision(model: ir.Model, rules: PrecisionRules, low: ir.DataType, *, op_block_list=(),

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from passes.insert_casts import is_cast, written_value
-from passes.pass_result import PassResult
+from amp_compiler.passes.insert_casts import is_cast, written_value
+from amp_compiler.passes.pass_result import PassResult
 
 
 def fold_casts(gm: fx.GraphModule) -> PassResult:

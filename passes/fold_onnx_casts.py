@@ -20,10 +20,10 @@ from collections import Counter
 import numpy as np
 import onnx_ir as ir
 
-from passes.onnx_cast_nodes import UniqueNames, bypass_cast, cast_target, is_cast, model_graphs, set_tensor_dtype
-from passes.onnx_dtype_rules import (CONSTANT_SOURCES, FP16_MAX, cast_pair_folds, is_float_type, is_float_value,
+from amp_compiler.passes.onnx_cast_nodes import UniqueNames, bypass_cast, cast_target, is_cast, model_graphs, set_tensor_dtype
+from amp_compiler.passes.onnx_dtype_rules import (CONSTANT_SOURCES, FP16_MAX, cast_pair_folds, is_float_type, is_float_value,
                                      is_onnx_op, tensor_dtype)
-from passes.pass_result import PassResult
+from amp_compiler.passes.pass_result import PassResult
 
 
 def fold_onnx_casts(model: ir.Model) -> PassResult:

@@ -16,8 +16,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from passes.op_policy import POLICY
-from passes.pass_result import PassResult
+from amp_compiler.passes.op_policy import POLICY
+from amp_compiler.passes.pass_result import PassResult
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 METHOD_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,

@@ -17,8 +17,8 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from passes.onnx_cast_nodes import model_graphs
-from passes.pass_result import PassResult
+from amp_compiler.passes.onnx_cast_nodes import model_graphs
+from amp_compiler.passes.pass_result import PassResult
 
 INLINE_TENSOR_MAX_BYTES = 1024   # shape inputs (Reshape, Expand...) stay inline: data propagation reads them
 

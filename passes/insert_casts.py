@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from passes.infer_dtypes import dtype_name, is_float
-from passes.graph_leaf import graph_leaf
-from passes.pass_result import PassResult
+from amp_compiler.passes.infer_dtypes import dtype_name, is_float
+from amp_compiler.passes.graph_leaf import graph_leaf
+from amp_compiler.passes.pass_result import PassResult
 
 
 @graph_leaf

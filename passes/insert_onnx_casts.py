@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from passes.onnx_cast_nodes import UniqueNames, cast_graph_output, make_cast, set_tensor_dtype
-from passes.onnx_dtype_rules import (DTYPE_ATTRIBUTE_FOLLOWS_PRECISION, READS_ANY_FLOAT, follows_precision,
+from amp_compiler.passes.onnx_cast_nodes import UniqueNames, cast_graph_output, make_cast, set_tensor_dtype
+from amp_compiler.passes.onnx_dtype_rules import (DTYPE_ATTRIBUTE_FOLLOWS_PRECISION, READS_ANY_FLOAT, follows_precision,
                                      input_role, is_float_type, is_float_value, is_onnx_op, subgraphs_of,
                                      tensor_dtype)
-from passes.pass_result import PassResult
+from amp_compiler.passes.pass_result import PassResult
 
 
 def insert_onnx_casts(model: ir.Model, low: ir.DataType, keep_io_types: bool = True) -> PassResult:

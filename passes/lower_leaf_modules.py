@@ -15,8 +15,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from passes.graph_leaf import graph_leaf
-from passes.pass_result import PassResult
+from amp_compiler.passes.graph_leaf import graph_leaf
+from amp_compiler.passes.pass_result import PassResult
 
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 _CONV_T = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,

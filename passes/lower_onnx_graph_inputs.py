@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from passes.onnx_cast_nodes import cast_target, is_cast, set_tensor_dtype
-from passes.onnx_dtype_rules import is_float_value
-from passes.pass_result import PassResult
+from amp_compiler.passes.onnx_cast_nodes import cast_target, is_cast, set_tensor_dtype
+from amp_compiler.passes.onnx_dtype_rules import is_float_value
+from amp_compiler.passes.pass_result import PassResult
 
 
 def lower_onnx_graph_inputs(model: ir.Model, low: ir.DataType) -> PassResult:

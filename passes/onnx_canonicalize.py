@@ -16,8 +16,8 @@ import re
 
 import onnx_ir as ir
 
-from passes.onnx_dtype_rules import subgraphs_of
-from passes.pass_result import PassResult
+from amp_compiler.passes.onnx_dtype_rules import subgraphs_of
+from amp_compiler.passes.pass_result import PassResult
 
 # Default-domain ONNX op type -> canonical op. Every name on the right is a key of passes.op_policy.POLICY
 # (tests/test_onnx_canonicalize.py checks it): no op list is copied here, only spellings.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from passes.onnx_dtype_rules import DTYPE_NAMES, subgraphs_of
+from amp_compiler.passes.onnx_dtype_rules import DTYPE_NAMES, subgraphs_of
 
 
 def is_cast(node: ir.Node) -> bool:

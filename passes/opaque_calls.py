@@ -17,9 +17,9 @@ import contextlib
 import torch
 import torch.fx as fx
 
-from passes.graph_leaf import graph_leaf
-from passes.infer_dtypes import is_float
-from passes.pass_result import PassResult
+from amp_compiler.passes.graph_leaf import graph_leaf
+from amp_compiler.passes.infer_dtypes import is_float
+from amp_compiler.passes.pass_result import PassResult
 
 AS_WRITTEN = (None, None)   # (autocast dtype, output dtype): no autocast, outputs as the body returns them
 

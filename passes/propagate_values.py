@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from passes.pass_result import PassResult
+from amp_compiler.passes.pass_result import PassResult
 
 
 class _Unknown:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-from passes.op_policy import OpRule, policy_for
+from amp_compiler.passes.op_policy import OpRule, policy_for
 
 LEVELS = ("O0", "O1", "O2", "O3")
 USER_CLASSES = ("allow", "deny", "infer", "clear")

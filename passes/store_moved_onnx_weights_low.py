@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from passes.onnx_cast_nodes import dtype_name, model_graphs
-from passes.onnx_dtype_rules import input_role, is_float_value
-from passes.pass_result import PassResult
+from amp_compiler.passes.onnx_cast_nodes import dtype_name, model_graphs
+from amp_compiler.passes.onnx_dtype_rules import input_role, is_float_value
+from amp_compiler.passes.pass_result import PassResult
 
 MOVER_CLASS, MOVER_FAMILY = "clear", "shape"   # passes/op_policy.py: "moves values without changing them"
 

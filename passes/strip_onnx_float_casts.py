@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from passes.onnx_cast_nodes import bypass_cast, cast_target, is_cast, model_graphs
-from passes.onnx_dtype_rules import is_float_type, is_float_value, tensor_dtype
-from passes.pass_result import PassResult
+from amp_compiler.passes.onnx_cast_nodes import bypass_cast, cast_target, is_cast, model_graphs
+from amp_compiler.passes.onnx_dtype_rules import is_float_type, is_float_value, tensor_dtype
+from amp_compiler.passes.pass_result import PassResult
 
 
 def record_source_dtypes(model: ir.Model) -> None:

@@ -15,10 +15,10 @@ from collections import defaultdict
 
 import onnx_ir as ir
 
-from passes.onnx_canonicalize import all_nodes
-from passes.onnx_cast_nodes import UniqueNames, make_cast
-from passes.onnx_dtype_rules import is_float_value, schema_input
-from passes.pass_result import PassResult
+from amp_compiler.passes.onnx_canonicalize import all_nodes
+from amp_compiler.passes.onnx_cast_nodes import UniqueNames, make_cast
+from amp_compiler.passes.onnx_dtype_rules import is_float_value, schema_input
+from amp_compiler.passes.pass_result import PassResult
 
 
 def unify_onnx_input_types(model: ir.Model) -> PassResult:

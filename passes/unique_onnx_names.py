@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from passes.onnx_cast_nodes import model_graphs
-from passes.pass_result import PassResult
+from amp_compiler.passes.onnx_cast_nodes import model_graphs
+from amp_compiler.passes.pass_result import PassResult
 
 
 def unique_onnx_names(model: ir.Model) -> PassResult:

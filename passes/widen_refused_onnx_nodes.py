@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from passes.onnx_canonicalize import all_nodes
-from passes.onnx_cast_nodes import UniqueNames, cast_graph_output, make_cast, set_tensor_dtype
-from passes.onnx_dtype_rules import FLOAT_TYPES, input_role, is_float_value, low_precision_blocker
-from passes.pass_result import PassResult
+from amp_compiler.passes.onnx_canonicalize import all_nodes
+from amp_compiler.passes.onnx_cast_nodes import UniqueNames, cast_graph_output, make_cast, set_tensor_dtype
+from amp_compiler.passes.onnx_dtype_rules import FLOAT_TYPES, input_role, is_float_value, low_precision_blocker
+from amp_compiler.passes.pass_result import PassResult
 
 
 def widen_refused_onnx_nodes(model: ir.Model) -> PassResult:

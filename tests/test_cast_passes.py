@@ -3,8 +3,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from passes.fold_casts import count_casts, fold_casts
-from passes.insert_casts import amp_cast, insert_casts, make_cast
+from amp_compiler.passes.fold_casts import count_casts, fold_casts
+from amp_compiler.passes.insert_casts import amp_cast, insert_casts, make_cast
 
 
 def graph_with(dtypes: dict, build) -> fx.GraphModule:

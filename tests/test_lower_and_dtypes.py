@@ -3,9 +3,9 @@ import torch
 from torch import nn
 
 from amp_compiler.frontend import trace
-from passes.canonicalize import canonicalize
-from passes.infer_dtypes import infer_dtypes
-from passes.lower_leaf_modules import amp_module_call, lower_leaf_modules
+from amp_compiler.passes.canonicalize import canonicalize
+from amp_compiler.passes.infer_dtypes import infer_dtypes
+from amp_compiler.passes.lower_leaf_modules import amp_module_call, lower_leaf_modules
 
 
 class Leaves(nn.Module):

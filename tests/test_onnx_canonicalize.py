@@ -2,9 +2,9 @@
 import onnx_ir as ir
 import pytest
 
-from passes.onnx_canonicalize import ONNX_OPS, RANKED, canonical_onnx_op, module_path
-from passes.op_policy import POLICY
-from passes.rules import PrecisionRules
+from amp_compiler.passes.onnx_canonicalize import ONNX_OPS, RANKED, canonical_onnx_op, module_path
+from amp_compiler.passes.op_policy import POLICY
+from amp_compiler.passes.rules import PrecisionRules
 
 
 def node(op_type, *, domain="", attributes=(), inputs=()):

@@ -22,7 +22,7 @@ from torch import nn
 
 from amp_compiler.frontend.errors import TracingError, user_frame
 from amp_compiler.frontend.module_tree import graph_module_on
-from passes.graph_leaf import graph_leaf
+from amp_compiler.passes.graph_leaf import graph_leaf
 
 
 def export_graph(model: nn.Module, root: nn.Module, example_inputs: tuple, dynamic_shapes=None):
