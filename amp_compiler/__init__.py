@@ -2,20 +2,20 @@
 from amp_compiler import legacy_names
 
 legacy_names.install()   # before anything else: files saved by the previous release name old modules
-from amp_compiler.bad_steps import NonFiniteGradientsError
+from amp_compiler.train.bad_steps import NonFiniteGradientsError
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert import convert
 from amp_compiler.frontend import TracingError
-from amp_compiler.grad_scaler import GradScaler
-from amp_compiler.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
-from amp_compiler.report import PrecisionReport, explain
-from amp_compiler.compare import ComparisonReport, compare
-from amp_compiler.render import render
-from amp_compiler.report_diff import PrecisionDiff, diff
-from amp_compiler.step_outcome import Overflow
-from amp_compiler.train import TrainStep, build_train_network
-from amp_compiler.verify import DtypeMismatch, verify
-from amp_compiler.passes.op_policy import default_lists
+from amp_compiler.train.grad_scaler import GradScaler
+from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
+from amp_compiler.insight.report import PrecisionReport, explain
+from amp_compiler.insight.compare import ComparisonReport, compare
+from amp_compiler.insight.render import render
+from amp_compiler.insight.report_diff import PrecisionDiff, diff
+from amp_compiler.train.step_outcome import Overflow
+from amp_compiler.train.network import TrainStep, build_train_network
+from amp_compiler.insight.verify import DtypeMismatch, verify
+from amp_compiler.passes.policy.op_policy import default_lists
 
 __all__ = ["convert", "explain", "PrecisionReport", "TracingError", "AmpConfig", "make_config",
            "default_lists", "verify", "DtypeMismatch"]
@@ -27,8 +27,8 @@ __all__ += ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionRepor
 __version__ = "0.1.0"
 
 # The ONNX names load onnx, onnx_ir and onnxruntime on first use, not with the package (PEP 562).
-_ONNX_NAMES = {"export_onnx": "onnx_export", "convert_onnx": "onnx_convert", "validate_onnx": "onnx_validate",
-               "OnnxConversionReport": "onnx_report", "ValidationReport": "onnx_validate"}
+_ONNX_NAMES = {"export_onnx": "onnx.export", "convert_onnx": "onnx.convert", "validate_onnx": "onnx.validate",
+               "OnnxConversionReport": "onnx.report", "ValidationReport": "onnx.validate"}
 
 
 def __getattr__(name: str):

@@ -25,7 +25,7 @@ def _import_zoo():
 
 def run_demo(args) -> int:
     import amp_compiler
-    from amp_compiler.train import demo_training
+    from amp_compiler.train.network import demo_training
 
     zoo = _import_zoo()
     task = zoo.build(args.model, size="small", seed=0)
@@ -47,7 +47,7 @@ def run_demo(args) -> int:
         train_dtype = amp_compiler.config.resolve_dtype(args.train_dtype)
         print(f"== train {args.model} at O2, {args.train_dtype}, {args.steps} steps ==", flush=True)
         task = zoo.build(args.model, size="small", seed=0)
-        from amp_compiler.loss_scale import default_loss_scale_manager
+        from amp_compiler.train.loss_scale import default_loss_scale_manager
         print(f"scaling: {default_loss_scale_manager('O2', train_dtype)!r} (build_train_network's default; "
               "an overflowing step is skipped and marked)", flush=True)
         rows, report = demo_training(task, steps=args.steps, level="O2", dtype=train_dtype)
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--train-dtype", default="float16",
                       help="dtype of the O2 training steps (default float16: shows dynamic loss scaling)")
     demo.set_defaults(func=run_demo)
-    from amp_compiler import onnx_cli
+    from amp_compiler.onnx import cli as onnx_cli
 
     onnx_cli.add_export_parser(sub)
     onnx_cli.add_convert_onnx_parser(sub)

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from amp_compiler.passes.infer_dtypes import dtype_name
-from amp_compiler.passes.rules import LEVELS, PrecisionRules
+from amp_compiler.passes.fx.runtime import dtype_name
+from amp_compiler.passes.policy.rules import LEVELS, PrecisionRules
 
 LOW_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

@@ -15,16 +15,16 @@ from torch import nn
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert_children import convert_children
 from amp_compiler.frontend import TracingError, trace
-from amp_compiler.graph_decisions import preserve_decisions
-from amp_compiler.passes.canonicalize import canonicalize
-from amp_compiler.passes.cast_after_layout_ops import cast_after_layout_ops
-from amp_compiler.passes.decide_fx_precision import decide_fx_precision
-from amp_compiler.passes.fold_casts import count_casts, fold_casts
-from amp_compiler.passes.infer_dtypes import infer_dtypes
-from amp_compiler.passes.insert_casts import insert_casts, output_value_nodes
-from amp_compiler.passes.lower_leaf_modules import lower_leaf_modules
-from amp_compiler.passes.opaque_calls import plan_opaque_calls
-from amp_compiler.passes.propagate_values import propagate_values
+from amp_compiler.insight.graph_decisions import preserve_decisions
+from amp_compiler.passes.fx.canonicalize import canonicalize
+from amp_compiler.passes.fx.cast_after_layout_ops import cast_after_layout_ops
+from amp_compiler.passes.fx.decide_precision import decide_fx_precision
+from amp_compiler.passes.fx.fold_casts import count_casts, fold_casts
+from amp_compiler.passes.fx.infer_dtypes import infer_dtypes
+from amp_compiler.passes.fx.insert_casts import insert_casts, output_value_nodes
+from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
+from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
+from amp_compiler.passes.fx.propagate_values import propagate_values
 
 
 def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None = None,

@@ -1,7 +1,8 @@
 """The previous release's module names, kept importable for one release.
 
 A GraphModule saved with torch.save keeps its generated code, whose import lines name the helpers by
-module path (`from passes.insert_casts import amp_cast`). Those paths moved under amp_compiler.passes;
+module path (`from passes.insert_casts import amp_cast`), and pickled objects name their classes'
+modules (amp_compiler.loss_scale.DynamicLossScaleManager). Those modules moved (amp_compiler.passes.fx...);
 this finder answers exactly the old names with the modules that now hold the same objects, so old files
 load and no module is ever imported twice under two names (the passes test `node.target is amp_cast`).
 """
@@ -12,17 +13,62 @@ import importlib.abc
 import importlib.util
 import sys
 
-OLD_PASS_MODULES = (
-    "canonicalize", "cast_after_layout_ops", "decide_fx_precision", "decide_onnx_precision", "fold_casts",
-    "fold_onnx_casts", "graph_leaf", "infer_dtypes", "infer_onnx_types", "insert_casts", "insert_onnx_casts",
-    "lower_leaf_modules", "lower_onnx_graph_inputs", "onnx_canonicalize", "onnx_cast_nodes", "onnx_dtype_rules",
-    "op_policy", "opaque_calls", "paint_precision", "pass_result", "propagate_values", "rules",
-    "store_moved_onnx_weights_low", "strip_onnx_float_casts", "unify_onnx_input_types", "unique_onnx_names",
-    "widen_refused_onnx_nodes",
-)
-# old module name -> the module that now answers for it
-RENAMED = {"passes": "amp_compiler.passes",
-           **{f"passes.{name}": f"amp_compiler.passes.{name}" for name in OLD_PASS_MODULES}}
+# old module name -> the module that now answers for it. Not here: amp_compiler.train (now the package
+# that re-exports the old module's names), and amp_compiler.render/compare/verify, whose old module names
+# are the public functions of the same name.
+RENAMED = {
+    "passes": "amp_compiler.passes",
+    "passes.pass_result": "amp_compiler.passes.pass_result",
+    "passes.op_policy": "amp_compiler.passes.policy.op_policy",
+    "passes.rules": "amp_compiler.passes.policy.rules",
+    "passes.paint_precision": "amp_compiler.passes.painting.paint_precision",
+    "passes.graph_leaf": "amp_compiler.passes.fx.runtime",
+    "passes.canonicalize": "amp_compiler.passes.fx.canonicalize",
+    "passes.propagate_values": "amp_compiler.passes.fx.propagate_values",
+    "passes.infer_dtypes": "amp_compiler.passes.fx.infer_dtypes",
+    "passes.decide_fx_precision": "amp_compiler.passes.fx.decide_precision",
+    "passes.opaque_calls": "amp_compiler.passes.fx.opaque_calls",
+    "passes.lower_leaf_modules": "amp_compiler.passes.fx.lower_leaf_modules",
+    "passes.insert_casts": "amp_compiler.passes.fx.insert_casts",
+    "passes.fold_casts": "amp_compiler.passes.fx.fold_casts",
+    "passes.cast_after_layout_ops": "amp_compiler.passes.fx.cast_after_layout_ops",
+    "passes.onnx_canonicalize": "amp_compiler.passes.onnx.canonicalize",
+    "passes.infer_onnx_types": "amp_compiler.passes.onnx.infer_types",
+    "passes.strip_onnx_float_casts": "amp_compiler.passes.onnx.strip_float_casts",
+    "passes.decide_onnx_precision": "amp_compiler.passes.onnx.decide_precision",
+    "passes.store_moved_onnx_weights_low": "amp_compiler.passes.onnx.store_moved_weights_low",
+    "passes.insert_onnx_casts": "amp_compiler.passes.onnx.insert_casts",
+    "passes.fold_onnx_casts": "amp_compiler.passes.onnx.fold_casts",
+    "passes.lower_onnx_graph_inputs": "amp_compiler.passes.onnx.lower_graph_inputs",
+    "passes.unique_onnx_names": "amp_compiler.passes.onnx.unique_names",
+    "passes.unify_onnx_input_types": "amp_compiler.passes.onnx.unify_input_types",
+    "passes.widen_refused_onnx_nodes": "amp_compiler.passes.onnx.widen_refused_nodes",
+    "passes.onnx_cast_nodes": "amp_compiler.passes.onnx.cast_nodes",
+    "passes.onnx_dtype_rules": "amp_compiler.passes.onnx.spec",
+    "amp_compiler.joint_graph": "amp_compiler.train.joint_graph",
+    "amp_compiler.loss_scale": "amp_compiler.train.loss_scale",
+    "amp_compiler.grad_scaler": "amp_compiler.train.grad_scaler",
+    "amp_compiler.bad_steps": "amp_compiler.train.bad_steps",
+    "amp_compiler.plain_loop": "amp_compiler.train.plain_loop",
+    "amp_compiler.step_outcome": "amp_compiler.train.step_outcome",
+    "amp_compiler.train_checks": "amp_compiler.train.train_checks",
+    "amp_compiler.onnx_cli": "amp_compiler.onnx.cli",
+    "amp_compiler.onnx_convert": "amp_compiler.onnx.convert",
+    "amp_compiler.onnx_export": "amp_compiler.onnx.export",
+    "amp_compiler.onnx_files": "amp_compiler.onnx.files",
+    "amp_compiler.onnx_report": "amp_compiler.onnx.report",
+    "amp_compiler.onnx_sessions": "amp_compiler.onnx.sessions",
+    "amp_compiler.onnx_validate": "amp_compiler.onnx.validate",
+    "amp_compiler.report": "amp_compiler.insight.report",
+    "amp_compiler.report_diff": "amp_compiler.insight.report_diff",
+    "amp_compiler.report_html": "amp_compiler.insight.report_html",
+    "amp_compiler.report_text": "amp_compiler.insight.report_text",
+    "amp_compiler.render_onnx_view": "amp_compiler.insight.render_onnx_view",
+    "amp_compiler.render_page": "amp_compiler.insight.render_page",
+    "amp_compiler.render_script": "amp_compiler.insight.render_script",
+    "amp_compiler.render_view": "amp_compiler.insight.render_view",
+    "amp_compiler.graph_decisions": "amp_compiler.insight.graph_decisions",
+}
 
 
 class _RenamedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -29,9 +29,9 @@ import onnxruntime as ort
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from amp_compiler import convert_onnx, make_config  # noqa: E402
-from amp_compiler.onnx_export import export_fp32_reference  # noqa: E402
+from amp_compiler.onnx.export import export_fp32_reference  # noqa: E402
 from models import ZOO_NAMES, build  # noqa: E402
-from amp_compiler.passes.onnx_canonicalize import all_nodes, onnx_canonicalize  # noqa: E402
+from amp_compiler.passes.onnx.canonicalize import all_nodes, onnx_canonicalize  # noqa: E402
 
 
 def make_session(path: str) -> ort.InferenceSession:

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_compiler.passes.insert_casts import is_cast
+from amp_compiler.passes.fx.runtime import is_cast
 
 # Error allowed relative to the reference output's magnitude: fp16 keeps 11 bits, bf16 8.
 RELATIVE_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-6}

@@ -7,8 +7,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from amp_compiler.onnx_sessions import make_session
-from amp_compiler.passes.infer_onnx_types import graph_protos
+from amp_compiler.onnx.sessions import make_session
+from amp_compiler.passes.onnx.infer_types import graph_protos
 
 OPSET = 18
 F32, F16, I64, BOOL = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.BOOL

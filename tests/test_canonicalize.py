@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_compiler.frontend import trace
-from amp_compiler.passes.canonicalize import canonical_op, canonicalize
+from amp_compiler.passes.fx.canonicalize import canonical_op, canonicalize
 
 
 class Spellings(nn.Module):

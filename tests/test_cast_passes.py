@@ -3,8 +3,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from amp_compiler.passes.fold_casts import count_casts, fold_casts
-from amp_compiler.passes.insert_casts import amp_cast, insert_casts, make_cast
+from amp_compiler.passes.fx.fold_casts import count_casts, fold_casts
+from amp_compiler.passes.fx.insert_casts import insert_casts, make_cast
+from amp_compiler.passes.fx.runtime import amp_cast
 
 
 def graph_with(dtypes: dict, build) -> fx.GraphModule:

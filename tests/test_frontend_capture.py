@@ -10,7 +10,7 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler import TracingError, convert, explain, verify
-from amp_compiler.verify import DtypeMismatch
+from amp_compiler.insight.verify import DtypeMismatch
 from amp_testing import AtenDtypeRecorder
 
 

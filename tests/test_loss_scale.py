@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from amp_compiler.bad_steps import BAD_STEP_MAX, NonFiniteGradientsError
-from amp_compiler.loss_scale import (TRAIN_STEP_INIT_SCALE, DynamicLossScaleManager, FixedLossScaleManager,
+from amp_compiler.train.bad_steps import BAD_STEP_MAX, NonFiniteGradientsError
+from amp_compiler.train.loss_scale import (TRAIN_STEP_INIT_SCALE, DynamicLossScaleManager, FixedLossScaleManager,
                                      default_loss_scale_manager)
 
 

@@ -3,9 +3,10 @@ import torch
 from torch import nn
 
 from amp_compiler.frontend import trace
-from amp_compiler.passes.canonicalize import canonicalize
-from amp_compiler.passes.infer_dtypes import infer_dtypes
-from amp_compiler.passes.lower_leaf_modules import amp_module_call, lower_leaf_modules
+from amp_compiler.passes.fx.canonicalize import canonicalize
+from amp_compiler.passes.fx.infer_dtypes import infer_dtypes
+from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
+from amp_compiler.passes.fx.runtime import amp_module_call
 
 
 class Leaves(nn.Module):

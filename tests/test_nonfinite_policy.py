@@ -9,7 +9,7 @@ from torch import nn
 
 from amp_compiler import (DynamicLossScaleManager, FixedLossScaleManager, NonFiniteGradientsError, Overflow,
                           build_train_network)
-from amp_compiler.bad_steps import BAD_STEP_MAX
+from amp_compiler.train.bad_steps import BAD_STEP_MAX
 
 
 def tiny_model():

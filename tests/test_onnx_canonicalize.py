@@ -2,9 +2,9 @@
 import onnx_ir as ir
 import pytest
 
-from amp_compiler.passes.onnx_canonicalize import ONNX_OPS, RANKED, canonical_onnx_op, module_path
-from amp_compiler.passes.op_policy import POLICY
-from amp_compiler.passes.rules import PrecisionRules
+from amp_compiler.passes.onnx.canonicalize import ONNX_OPS, RANKED, canonical_onnx_op, module_path
+from amp_compiler.passes.policy.op_policy import POLICY
+from amp_compiler.passes.policy.rules import PrecisionRules
 
 
 def node(op_type, *, domain="", attributes=(), inputs=()):

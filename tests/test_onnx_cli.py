@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from amp_compiler.onnx_cli import add_convert_onnx_parser, add_export_parser
+from amp_compiler.onnx.cli import add_convert_onnx_parser, add_export_parser
 from onnx_testing import F32, assert_valid, initializer, make_model, save, tensor_input
 
 

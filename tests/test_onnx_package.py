@@ -21,6 +21,6 @@ def test_importing_the_package_loads_no_onnx_module():
 
 def test_onnx_names_import_on_first_use_and_stay_listed():
     assert set(ONNX_NAMES) <= set(amp_compiler.__all__) <= set(dir(amp_compiler))
-    assert _python("from amp_compiler import export_onnx; print(export_onnx.__module__)") == "amp_compiler.onnx_export"
+    assert _python("from amp_compiler import export_onnx; print(export_onnx.__module__)") == "amp_compiler.onnx.export"
     assert _python("from amp_compiler import *; print(ValidationReport.__name__)") == "ValidationReport"
     assert all(hasattr(amp_compiler, name) for name in amp_compiler.__all__)

@@ -7,18 +7,18 @@ import pytest
 from onnx import helper
 
 from amp_compiler import make_config
-from amp_compiler.onnx_convert import run_onnx_pipeline
+from amp_compiler.onnx.convert import run_onnx_pipeline
 from onnx_testing import F16, F32, I64, initializer, make_model, run, tensor_input
-from amp_compiler.passes.decide_onnx_precision import decide_onnx_precision
-from amp_compiler.passes.fold_onnx_casts import fold_onnx_casts
-from amp_compiler.passes.infer_onnx_types import infer_onnx_types
-from amp_compiler.passes.lower_onnx_graph_inputs import lower_onnx_graph_inputs
-from amp_compiler.passes.onnx_canonicalize import onnx_canonicalize
-from amp_compiler.passes.onnx_dtype_rules import cast_pair_folds
-from amp_compiler.passes.strip_onnx_float_casts import strip_onnx_float_casts
-from amp_compiler.passes.unify_onnx_input_types import unify_onnx_input_types
-from amp_compiler.passes.unique_onnx_names import unique_onnx_names
-from amp_compiler.passes.widen_refused_onnx_nodes import widen_refused_onnx_nodes
+from amp_compiler.passes.onnx.decide_precision import decide_onnx_precision
+from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
+from amp_compiler.passes.onnx.infer_types import infer_onnx_types
+from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
+from amp_compiler.passes.onnx.canonicalize import onnx_canonicalize
+from amp_compiler.passes.onnx.spec import cast_pair_folds
+from amp_compiler.passes.onnx.strip_float_casts import strip_onnx_float_casts
+from amp_compiler.passes.onnx.unify_input_types import unify_onnx_input_types
+from amp_compiler.passes.onnx.unique_names import unique_onnx_names
+from amp_compiler.passes.onnx.widen_refused_nodes import widen_refused_onnx_nodes
 
 D = ir.DataType
 

@@ -10,9 +10,9 @@ from onnx import helper
 from amp_compiler import convert_onnx, make_config
 from onnx_testing import (F16, F32, I64, assert_valid, initializer, input_types, make_model, nodes_of, run,
                           same_model, save, tensor_input, value_types)
-from amp_compiler.passes.decide_onnx_precision import decide_onnx_precision
-from amp_compiler.passes.onnx_canonicalize import onnx_canonicalize
-from amp_compiler.passes.store_moved_onnx_weights_low import store_moved_onnx_weights_low
+from amp_compiler.passes.onnx.decide_precision import decide_onnx_precision
+from amp_compiler.passes.onnx.canonicalize import onnx_canonicalize
+from amp_compiler.passes.onnx.store_moved_weights_low import store_moved_onnx_weights_low
 
 RNG = np.random.default_rng(0)
 IDS = np.array([[0, 3, 7, 3], [1, 2, 2, 5]], np.int64)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from amp_compiler import convert_onnx, export_onnx
-from amp_compiler.onnx_export import export_fp32_reference
+from amp_compiler.onnx.export import export_fp32_reference
 from models import ZOO_NAMES, build
 from onnx_testing import F16, F32, all_nodes, assert_valid, run, same_model, value_types
 

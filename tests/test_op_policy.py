@@ -1,8 +1,8 @@
 """The policy table is data: validated at load, one reason per entry, overlays only retarget."""
 import pytest
 
-from amp_compiler.passes import op_policy
-from amp_compiler.passes.op_policy import BF16_OVERLAY, CLASSES, POLICY, OpRule, default_lists, policy_for
+from amp_compiler.passes.policy import op_policy
+from amp_compiler.passes.policy.op_policy import BF16_OVERLAY, CLASSES, POLICY, OpRule, default_lists, policy_for
 
 
 def test_every_entry_has_a_known_class_a_family_and_a_reason():

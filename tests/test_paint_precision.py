@@ -2,7 +2,7 @@
 import networkx as nx
 import pytest
 
-from amp_compiler.passes.paint_precision import paint_precision
+from amp_compiler.passes.painting.paint_precision import paint_precision
 
 
 def view(nodes: dict[str, str], edges: list[tuple[str, str]], forced=None) -> nx.DiGraph:

@@ -6,7 +6,7 @@ from torch import nn
 
 from amp_compiler import convert
 from amp_testing import assert_cast_invariants, assert_close_to_fp32, precision_by_op
-from amp_compiler.passes.op_policy import POLICY
+from amp_compiler.passes.policy.op_policy import POLICY
 
 DIM = 8
 # op code -> (canonical op, how it transforms (hidden, previous hidden, module, index))

@@ -8,8 +8,8 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler import convert, diff, explain
-from amp_compiler.graph_decisions import SAVED_ATTRIBUTE, preserve_decisions
-from amp_compiler.report_text import summarise_paths
+from amp_compiler.insight.graph_decisions import SAVED_ATTRIBUTE, preserve_decisions
+from amp_compiler.insight.report_text import summarise_paths
 from models import build
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from amp_compiler.frontend.errors import TracingError, user_frame
 from amp_compiler.frontend.module_tree import graph_module_on
-from amp_compiler.passes.graph_leaf import graph_leaf
+from amp_compiler.passes.fx.runtime import dropout_p_when_training   # generated code calls it: see runtime.py
 
 
 def export_graph(model: nn.Module, root: nn.Module, example_inputs: tuple, dynamic_shapes=None):
@@ -104,11 +104,6 @@ class TrainingFlag(nn.Module):
 
     def forward(self) -> bool:
         return self.training
-
-
-@graph_leaf
-def dropout_p_when_training(p: float, training: bool) -> float:
-    return p if training else 0.0
 
 
 # ATen ops whose train flag torch.export bakes in as a constant: op -> argument index. For attention,

@@ -20,8 +20,9 @@ import torch.fx._symbolic_trace as fx_trace
 from torch import nn
 
 from amp_compiler.frontend.errors import user_frame
-from amp_compiler.passes.canonicalize import LEAF_MODULE_TYPES
-from amp_compiler.passes.opaque_calls import AS_WRITTEN, amp_opaque_call
+from amp_compiler.passes.fx.canonicalize import LEAF_MODULE_TYPES
+from amp_compiler.passes.fx.opaque_calls import AS_WRITTEN
+from amp_compiler.passes.fx.runtime import amp_opaque_call
 
 
 def is_leaf_module(module: nn.Module) -> bool:

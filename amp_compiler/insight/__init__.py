@@ -1,0 +1,1 @@
+"""Seeing what a conversion did: explain, diff, render, compare, verify."""

@@ -1,0 +1,205 @@
+"""compare(model, gm, inputs): which node of a mixed-precision graph is to blame for its error.
+
+    report = amp_compiler.compare(model, gm, (x,))
+    compare (float16 graph against fp32): 20 float nodes, tolerance 0.01 of each value's scale: outputs FAILED
+      output output[0] (output) float32: max abs inf, inf of scale, inf ulp, 8 non-finite where fp32 is finite
+      first node past tolerance: masked_fill_float16 (cast) float16: max abs inf, ... 4 non-finite where fp32 is finite
+      chain: q_bias_float16 -> linear -> matmul -> matmul_float32 -> masked_fill -> masked_fill_float16
+
+The fp32 reference of every node comes from replaying the converted graph with its casts as identities
+(and opaque bodies as written, without autocast): the same nodes compute in fp32, so each node's value
+is matched with its own fp32 value, node by node. The model itself runs too, to check that the replay
+computes what the model computes (a note says when it does not). Both run in eval mode, without grad.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from amp_compiler.insight.graph_decisions import graph_summary, is_cast, module_of
+
+MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23}
+DEFAULT_RTOL = {"float16": 1e-2, "bfloat16": 5e-2}
+SHOWN_WORST = 8
+
+
+@dataclass
+class NodeError:
+    node: str
+    op: str
+    module: str
+    dtype: str               # what the converted graph computed in
+    shape: tuple
+    max_abs: float
+    max_rel: float           # max_abs over the scale: the largest finite |fp32 value| of this node
+    ulps: float              # max_abs in steps of the low dtype at that scale
+    non_finite: int          # elements inf/nan in the graph where fp32 is finite
+    ok: bool
+
+    def __str__(self) -> str:
+        where = f", {self.module}" if self.module else ""
+        inf = f", {self.non_finite} non-finite where fp32 is finite" if self.non_finite else ""
+        return (f"{self.node} ({self.op}{where}) {self.dtype}: max abs {self.max_abs:.3g}, "
+                f"{self.max_rel:.3g} of scale, {self.ulps:.3g} ulp{inf}")
+
+
+@dataclass
+class ComparisonReport:
+    low_dtype: str
+    rtol: float
+    errors: list[NodeError]               # every float node, worst first
+    outputs: list[NodeError]
+    first_failure: NodeError | None = None    # in graph order
+    chain: list[NodeError] = field(default_factory=list)   # from an input to first_failure, worst input each step
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(error.ok for error in self.outputs)
+
+    def __str__(self) -> str:
+        verdict = "outputs within tolerance" if self.passed else "outputs FAILED"
+        lines = [f"compare ({self.low_dtype} graph against fp32): {len(self.errors)} float nodes, tolerance "
+                 f"{self.rtol:g} of each value's scale: {verdict}"]
+        lines += [f"  output {error}" for error in self.outputs]
+        if self.first_failure is None:
+            lines.append("  no node past tolerance")
+        else:
+            lines.append(f"  first node past tolerance: {self.first_failure}")
+            lines.append("  chain: " + " -> ".join(error.node for error in self.chain))
+            lines += [f"    {error}" for error in self.chain]
+        lines.append("  worst nodes:")
+        lines += [f"    {error}" for error in self.errors[:SHOWN_WORST]]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"passed": self.passed}
+
+
+def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None = None) -> ComparisonReport:
+    """Run `model` in fp32 and `gm` (its conversion) on `inputs`; the error of every node, worst first,
+    the first node past `rtol` (relative to the node's value scale; default 1e-2 fp16, 5e-2 bf16) and
+    the chain of nodes that leads to it."""
+    if not isinstance(gm, fx.GraphModule):
+        raise ValueError("compare() takes the GraphModule convert() returned; for a model run as written "
+                         "(its children converted), compare each child with the inputs it receives")
+    low = graph_summary(gm)["dtype"]
+    rtol = DEFAULT_RTOL.get(low, 1e-2) if rtol is None else rtol
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    with _eval_mode(model, gm), torch.no_grad():
+        reference, reference_out = _run(gm, inputs, fp32=True)
+        candidate, candidate_out = _run(gm, inputs, fp32=False)
+        model_out = model(*inputs)
+    errors = {}
+    for node in gm.graph.nodes:
+        if node in reference and node in candidate:
+            errors[node] = _node_error(node, candidate[node], reference[node], low, rtol)
+    outputs = [_node_error(None, c, r, low, rtol, name=f"output[{i}]")
+               for i, (c, r) in enumerate(zip(_leaves(candidate_out), _leaves(reference_out)))]
+    report = ComparisonReport(low, rtol, sorted(errors.values(), key=_badness, reverse=True), outputs,
+                              notes=_replay_notes(reference_out, model_out))
+    first = next((node for node, error in errors.items() if not error.ok), None)
+    if first is not None:
+        report.first_failure, report.chain = errors[first], _chain(first, errors)
+    return report
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph and keeps every node's float tensor; fp32=True replays it without its casts."""
+
+    def __init__(self, gm: fx.GraphModule, fp32: bool):
+        super().__init__(gm)
+        self.fp32, self.values = fp32, {}
+
+    def run_node(self, node: fx.Node):
+        if self.fp32 and is_cast(node):
+            result = self.env[node.args[0]] if isinstance(node.args[0], fx.Node) else node.args[0]
+        elif self.fp32 and node.meta.get("amp", {}).get("family") == "opaque":
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            result = node.target(args[0], (None, None), *args[2:], **kwargs)   # as written: no autocast
+        else:
+            result = super().run_node(node)
+        if node.op != "output" and isinstance(result, torch.Tensor) and result.is_floating_point():
+            self.values[node] = result.detach()
+        return result
+
+
+def _run(gm, inputs, fp32: bool):
+    recorder = _Recorder(gm, fp32)
+    out = recorder.run(*inputs)
+    return recorder.values, out
+
+
+def _node_error(node, candidate: torch.Tensor, reference: torch.Tensor, low: str, rtol: float,
+                name: str | None = None) -> NodeError:
+    a, b = candidate.double(), reference.double()
+    if a.shape != b.shape:
+        max_abs, scale, non_finite = math.inf, 0.0, 0
+    else:
+        same = (a == b) | (a.isnan() & b.isnan())              # equal infinities agree
+        diff = torch.where(same, torch.zeros_like(a), (a - b).abs())
+        diff = torch.where(diff.isnan(), math.inf, diff)                  # nan against a number: as bad as inf
+        max_abs = diff.max().item() if diff.numel() else 0.0
+        finite = b[b.isfinite()].abs()
+        scale = finite.max().item() if finite.numel() else 0.0
+        non_finite = int((~a.isfinite() & b.isfinite()).sum())
+    ulp = 2.0 ** (math.floor(math.log2(scale)) - MANTISSA_BITS.get(low, 10)) if scale > 0 else math.inf
+    relative = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    amp = node.meta.get("amp", {}) if node is not None else {}
+    return NodeError(name or node.name, amp.get("op", "output"), module_of(node) if node is not None else "",
+                     str(candidate.dtype).removeprefix("torch."), tuple(candidate.shape), max_abs, relative,
+                     max_abs / ulp if max_abs else 0.0, non_finite,
+                     non_finite == 0 and max_abs <= rtol * scale + 1e-12)
+
+
+def _badness(error: NodeError) -> tuple:
+    return (error.non_finite > 0, error.max_rel if not math.isnan(error.max_rel) else math.inf)
+
+
+def _chain(node: fx.Node, errors: dict) -> list[NodeError]:
+    """Back from `node` through the input with the largest relative error, to where the error starts."""
+    chain = [node]
+    while len(chain) < 64:
+        sources = [n for n in chain[-1].all_input_nodes if n in errors]
+        if not sources:
+            break
+        worst = max(sources, key=lambda n: _badness(errors[n]))
+        if errors[worst].max_rel == 0 and errors[worst].non_finite == 0:
+            break
+        chain.append(worst)
+    return [errors[n] for n in reversed(chain)]
+
+
+def _leaves(out) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _replay_notes(replayed, model_out) -> list[str]:
+    notes = []
+    for i, (r, m) in enumerate(zip(_leaves(replayed), _leaves(model_out))):
+        if r.shape != m.shape or not torch.allclose(r.double(), m.double(), rtol=1e-4, atol=1e-5, equal_nan=True):
+            notes.append(f"output[{i}]: the fp32 replay of the graph differs from the model itself (a trace "
+                         "specialised to other inputs?); node errors are against the replay")
+    return notes
+
+
+class _eval_mode:
+    """Both in eval mode (dropout off, batch norm on running statistics), restored afterwards."""
+
+    def __init__(self, *modules: nn.Module):
+        self.modules = modules
+
+    def __enter__(self):
+        self.flags = [{m: m.training for m in module.modules()} for module in self.modules]
+        for module in self.modules:
+            module.eval()
+
+    def __exit__(self, *exc):
+        for flags in self.flags:
+            for module, flag in flags.items():
+                module.training = flag

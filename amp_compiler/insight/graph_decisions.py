@@ -1,0 +1,143 @@
+"""The decisions a converted graph carries, read back from node.meta only.
+
+The passes write node.meta["amp"] (op, class, rule, precision "low"/"fp32"/None, dtype) on every node
+and node.meta["amp_role"] = "cast" on the casts they insert; convert() writes gm.meta["amp"]. The
+report, the picture and compare() all read that record through this module, and import no pass, so
+they keep working whatever the passes become.
+
+torch.save keeps a GraphModule's code, not its nodes: torch.load re-traces the code into fresh nodes
+with empty meta. `preserve_decisions(gm)` stores the record as a plain attribute, which pickling keeps;
+`graph_summary(gm)` puts it back on the re-traced nodes (same code, so same node order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+SAVED_ATTRIBUTE = "_amp_saved_decisions"
+NOT_CONVERTED = "needs a GraphModule returned by amp_compiler.convert()"
+
+
+def is_cast(node: fx.Node) -> bool:
+    return node.meta.get("amp_role") == "cast"
+
+
+def dtype_name(dtype) -> str:
+    """torch.float16 -> "float16"; None -> "-"."""
+    return "-" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def is_shown(node: fx.Node) -> bool:
+    """Nodes a report lists: computations and casts, not inputs, parameters or the output."""
+    return node.op not in ("placeholder", "get_attr", "output")
+
+
+def precision_of(node: fx.Node) -> str:
+    """"low", "fp32", "cast" or "untouched" (no float value to decide on: shapes, ints, lookups)."""
+    if is_cast(node):
+        return "cast"
+    return node.meta.get("amp", {}).get("precision") or "untouched"
+
+
+def computed_dtype(node: fx.Node, low: str) -> str:
+    """The dtype a node computes in, as the report prints it ("-" where untouched)."""
+    amp = node.meta.get("amp", {})
+    if is_cast(node):
+        return dtype_name(amp.get("dtype"))
+    return {"low": low, "fp32": "float32"}.get(amp.get("precision"), "-")
+
+
+def module_of(node: fx.Node) -> str:
+    """The module path a node belongs to; a weight cast (no module of its own) goes with its reader."""
+    module = node.meta.get("amp", {}).get("module") or ""      # O0 graphs record none
+    if not module and is_cast(node):
+        for user in node.users:
+            return module_of(user)
+    return module
+
+
+def graph_summary(gm) -> dict:
+    """gm.meta["amp"], put back from the saved copy on a module that went through torch.save/load."""
+    meta = getattr(gm, "meta", None) or {}
+    if "amp" in meta:
+        return meta["amp"]
+    saved = getattr(gm, SAVED_ATTRIBUTE, None)
+    if saved is None or not isinstance(gm, fx.GraphModule):
+        raise ValueError(f"{type(gm).__name__}: {NOT_CONVERTED} (or one saved after "
+                         "amp_compiler.insight.graph_decisions.preserve_decisions)")
+    nodes = list(gm.graph.nodes)
+    if [node.op for node in nodes] != [op for op, _, _ in saved["nodes"]]:
+        raise ValueError("the saved precision decisions do not match this graph: it was edited after "
+                         "convert(); convert the model again")
+    for node, (_, amp, role) in zip(nodes, saved["nodes"]):
+        node.meta["amp"] = amp
+        if role is not None:
+            node.meta["amp_role"] = role
+    gm.meta = {**meta, "amp": saved["summary"]}
+    return gm.meta["amp"]
+
+
+def preserve_decisions(gm: fx.GraphModule) -> None:
+    """Keep the record through torch.save/torch.load (call it last: later graph edits are not tracked)."""
+    nodes = [(node.op, node.meta.get("amp", {}), node.meta.get("amp_role")) for node in gm.graph.nodes]
+    setattr(gm, SAVED_ATTRIBUTE, {"summary": gm.meta["amp"], "nodes": nodes})
+
+
+@dataclass
+class Island:
+    """Connected fp32 nodes: where a low-precision graph keeps full precision, and why."""
+    nodes: list[str]
+    ops: list[str]
+    module: str          # the deepest module path all its nodes share, else "first .. last" module
+    seed: str            # the node whose own rule keeps it fp32 (the others follow it)
+    rule: str
+
+    def to_dict(self) -> dict:
+        return {"nodes": self.nodes, "ops": self.ops, "module": self.module, "seed": self.seed, "rule": self.rule}
+
+
+def fp32_islands(gm: fx.GraphModule) -> list[Island]:
+    """fp32 nodes joined by fp32 -> fp32 edges, in graph order."""
+    fp32 = [node for node in gm.graph.nodes if precision_of(node) == "fp32"]
+    return [_island(group) for group in connected(fp32, lambda node: node.all_input_nodes)]
+
+
+def connected(items: list, inputs_of) -> list[list]:
+    """The groups of `items` joined by edges inputs_of(item) -> item between items; items in their order."""
+    parent = {item: item for item in items}
+
+    def root(item):
+        while parent[item] != item:
+            parent[item] = parent[parent[item]]
+            item = parent[item]
+        return item
+
+    for item in items:
+        for source in inputs_of(item):
+            if source in parent:
+                parent[root(source)] = root(item)
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(root(item), []).append(item)
+    return list(groups.values())
+
+
+def _island(nodes: list[fx.Node]) -> Island:
+    amp = [node.meta["amp"] for node in nodes]
+    # infer/clear nodes are fp32 because of a neighbour; the first node with a reason of its own seeded it
+    seed = next((i for i, a in enumerate(amp) if a.get("class") not in ("infer", "clear")), 0)
+    modules = [module_of(n) for n in nodes]
+    where = common_module(modules) or (modules[0] if modules[0] == modules[-1] else f"{modules[0]} .. {modules[-1]}")
+    return Island([n.name for n in nodes], [a.get("op", "?") for a in amp], where, nodes[seed].name,
+                  amp[seed].get("rule", ""))
+
+
+def common_module(paths: list[str]) -> str:
+    parts = [p.split(".") if p else [] for p in paths]
+    shared = []
+    for components in zip(*parts):
+        if len(set(components)) > 1:
+            break
+        shared.append(components[0])
+    return ".".join(shared)

@@ -1,0 +1,197 @@
+"""explain(gm): what convert() decided and why, read from node.meta (nothing recomputed).
+
+    amp-compiler report: level O1 (asked O1), float16, front end fx.symbolic_trace
+    nodes: 98 float16, 45 float32, 40 untouched; 26 casts; 0 unknown ops
+    fp32 islands: 9, 45 nodes
+      layers.[0-3].attention (x4): 3 nodes (mul, masked_fill, softmax); softmax: deny: exp of unbounded ...
+    node, where (a leaf module under its parent), op, dtype, rule, by module:
+    layers.0.attention
+      linear  query  linear  float16  allow: dense matmul ...
+    layers.1 .. layers.3: same decisions as layers.0 (3 blocks of 62 rows)
+
+explain(gm, only="fp32", module="encoder.*", op="softmax") filters the rows (the summary stays whole);
+explain(before, after) is diff(before, after). str() for terminals, _repr_html_ for notebooks,
+to_dict()/to_json() for tools.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from amp_compiler.insight.graph_decisions import (computed_dtype, fp32_islands, graph_summary, is_cast, is_shown,
+                                          module_of, precision_of)
+from amp_compiler.insight.report_text import WIDTH, module_table, summarise_paths, wrapped
+
+PRECISIONS = ("low", "fp32", "cast", "untouched")
+TABLE_COLUMNS = ["node", "where", "op", "dtype", "rule"]
+
+
+@dataclass
+class PrecisionReport:
+    rows: list[dict]             # node, module, op, class, family, precision, dtype, rule (after the filters)
+    totals: dict                 # the whole graph: nodes, nodes_per_dtype, untouched, casts, unknown_ops
+    summary: dict = field(default_factory=dict)     # gm.meta["amp"]
+    islands: list[dict] = field(default_factory=list)
+    filters: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return "\n".join(self.summary_lines() + self.table_lines())
+
+    def summary_lines(self) -> list[str]:
+        """The opening lines alone (what the demo prints)."""
+        s, t = self.summary, self.totals
+        lines = [f"amp-compiler report: level {s.get('level')} (asked {s.get('requested_level')}), "
+                 f"{s.get('dtype')}, front end {s.get('frontend')}"]
+        lines.append(f"nodes: {self.counts()}")
+        lines += _island_lines(self.islands)
+        if s.get("leaf_modules"):
+            lines += _leaf_lines(s["leaf_modules"])
+        lines += [f"opaque: {where or '(whole model)'}: {why}" for where, why in s.get("opaque", {}).items()]
+        opaque = list(s.get("opaque", {}).values())
+        for note in s.get("notes", []):
+            if not any(why in note for why in opaque):      # the opaque line above already says it
+                lines += wrapped("note", [note])
+        return lines
+
+    def counts(self) -> str:
+        t = self.totals
+        per_dtype = ", ".join(f"{n} {dtype}" for dtype, n in sorted(t["nodes_per_dtype"].items()))
+        unknown = t["unknown_ops"]
+        return (f"{per_dtype or 'none painted'}, {t['untouched']} untouched; {t['casts']} casts; "
+                f"{len(unknown)} unknown ops{': ' + ', '.join(unknown) if unknown else ''}")
+
+    def table_lines(self) -> list[str]:
+        shown = f"{len(self.rows)} of {self.totals['rows']} rows ({_describe(self.filters)})" \
+            if self.filters else f"{len(self.rows)} rows"
+        header = f"{shown}, by module: node, where (leaf module), op, dtype, rule"
+        table = module_table(self.rows, TABLE_COLUMNS, self.summary.get("leaf_modules", ()))
+        return [header, *table, f"totals: {self.counts()}"]
+
+    def to_dict(self) -> dict:
+        return json.loads(self.to_json())
+
+    def to_json(self, **dumps) -> str:
+        data = {"summary": self.summary, "totals": self.totals, "islands": self.islands, "filters": self.filters,
+                "rows": self.rows}
+        return json.dumps(data, default=str, **dumps)    # managers, dtypes: their printed form
+
+    def _repr_html_(self) -> str:
+        from amp_compiler.insight.report_html import report_html
+        return report_html(self)
+
+
+def explain(gm, other=None, *, only: str | None = None, module: str | None = None,
+            op: str | None = None) -> PrecisionReport:
+    """The decisions of a converted module: summary, fp32 islands, then every node grouped by module.
+
+    only: "low", "fp32", "cast", "untouched" or a dtype name ("float16"); module, op: glob patterns
+    ("encoder.*" also matches "encoder" itself). With a second module, diff(gm, other)."""
+    if other is not None:
+        from amp_compiler.insight.report_diff import diff
+        return diff(gm, other)
+    summary = graph_summary(gm)
+    if "children" in summary:
+        report = _explain_children(gm)
+    else:
+        report = _explain_graph(gm, summary)
+    filters = {k: v for k, v in (("only", only), ("module", module), ("op", op)) if v is not None}
+    if filters:
+        _check_only(only)
+        report.rows = [row for row in report.rows if _keeps(row, only, module, op)]
+        report.filters = filters
+    return report
+
+
+def _explain_graph(gm: fx.GraphModule, summary: dict) -> PrecisionReport:
+    low = summary["dtype"]
+    rows = []
+    for node in gm.graph.nodes:
+        if not is_shown(node):
+            continue
+        amp = node.meta.get("amp", {})
+        rows.append({"node": node.name, "module": module_of(node), "op": amp.get("op", "?"),
+                     "class": amp.get("class", "-"), "family": amp.get("family", "-"), "precision": precision_of(node),
+                     "dtype": computed_dtype(node, low), "rule": amp.get("rule", "")})
+    islands = [island.to_dict() for island in fp32_islands(gm)]
+    casts = sum(1 for node in gm.graph.nodes if is_cast(node))
+    return PrecisionReport(rows, _totals(rows, casts), dict(summary), islands)
+
+
+def _totals(rows: list[dict], casts: int) -> dict:
+    painted = [r for r in rows if r["precision"] in ("low", "fp32")]
+    unknown = list(dict.fromkeys(r["op"] for r in rows if r.get("family") == "unknown"))
+    return {"nodes": len(painted), "nodes_per_dtype": dict(Counter(r["dtype"] for r in painted)),
+            "untouched": sum(1 for r in rows if r["precision"] == "untouched"), "casts": casts,
+            "unknown_ops": unknown, "rows": len(rows)}
+
+
+def _explain_children(module) -> PrecisionReport:
+    """A model whose own forward runs as written: the reports of its converted children, one table."""
+    rows, islands, casts = [], [], 0
+    for name in module.meta["amp"]["children"]:
+        child = explain(module.get_submodule(name))
+        rows += [{**row, "module": f"{name}.{row['module']}" if row["module"] else name} for row in child.rows]
+        islands += [{**island, "module": f"{name}.{island['module']}".rstrip(".")} for island in child.islands]
+        casts += child.totals["casts"]
+    return PrecisionReport(rows, _totals(rows, casts), dict(module.meta["amp"]), islands)
+
+
+def _leaf_lines(leaves: list[str]) -> list[str]:
+    """The leaf modules, listed when that takes three lines or less, else with numbered repeats folded."""
+    lines = wrapped("leaf modules kept whole", leaves)
+    if len(lines) > 3:
+        lines = wrapped("leaf modules kept whole", summarise_paths(leaves))
+        lines[-1] += f" ({len(leaves)} modules)"
+    return lines
+
+
+def _island_lines(islands: list[dict]) -> list[str]:
+    """One line per kind of island: those repeating in numbered blocks (layers.3.attention) share one."""
+    if not islands:
+        return ["fp32 islands: none"]
+    kinds: dict[tuple, list[dict]] = {}
+    for island in islands:
+        kinds.setdefault((_strip_numbers(island["module"]), tuple(island["ops"]), _strip_numbers(island["rule"])),
+                         []).append(island)
+    lines = [f"fp32 islands: {len(islands)}, {sum(len(i['nodes']) for i in islands)} nodes"]
+    for members in kinds.values():
+        first = members[0]
+        where = summarise_paths([i["module"] for i in members])
+        where = where[0] if len(where) == 1 else f"{where[0]} and {len(where) - 1} more"
+        seed_op = first["ops"][first["nodes"].index(first["seed"])]
+        ops = ", ".join(first["ops"][:6]) + (", ..." if len(first["ops"]) > 6 else "")
+        line = (f"  {where or '(top level)'}{f' (x{len(members)})' if len(members) > 1 else ''}: "
+                f"{_plural(len(first['nodes']), 'node')} ({ops}); {seed_op}: {first['rule']}")
+        lines.append(line if len(line) <= WIDTH + 40 else line[:WIDTH + 37] + "...")
+    return lines
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _strip_numbers(text: str) -> str:
+    return re.sub(r"\d+", "#", text)
+
+
+def _check_only(only: str | None) -> None:
+    if only is not None and only not in PRECISIONS and not only.startswith(("float", "bfloat")):
+        raise ValueError(f"only={only!r}: expected one of {PRECISIONS} or a dtype name such as 'float16'")
+
+
+def _keeps(row: dict, only, module, op) -> bool:
+    if only is not None and only not in (row["precision"], row["dtype"]):
+        return False
+    if module is not None and not (fnmatch.fnmatchcase(row["module"], module)
+                                   or fnmatch.fnmatchcase(row["module"], module.removesuffix(".*"))):
+        return False
+    return op is None or fnmatch.fnmatchcase(row["op"], op)
+
+
+def _describe(filters: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in filters.items())

@@ -1,0 +1,62 @@
+"""verify(gm, *inputs): run a converted graph and check that every value has the dtype the passes said.
+
+    amp_compiler.verify(gm, x)   # None, or DtypeMismatch naming the first node whose real dtype differs
+
+Cast insertion trusts meta["amp"]["dtype"]; a wrong entry means a missing cast (a crash) or a silently
+different precision. Run it in tests and after changing rules.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from amp_compiler.passes.fx.infer_dtypes import value_dtype
+from amp_compiler.passes.fx.runtime import dtype_name
+
+
+class DtypeMismatch(AssertionError):
+    """A node computed a dtype other than the one recorded in its meta["amp"]["dtype"]."""
+
+
+class _Checker(fx.Interpreter):
+    def run_node(self, node: fx.Node):
+        value = super().run_node(node)
+        expected = node.meta.get("amp", {}).get("dtype")
+        actual = value_dtype(value)
+        if node.op not in ("output",) and expected is not None and actual is not None and actual != expected:
+            amp = node.meta["amp"]
+            raise DtypeMismatch(
+                f"node {node.name} ({amp.get('op')}, module {amp.get('module') or '-'}) computed "
+                f"{dtype_name(actual)} but the passes recorded {dtype_name(expected)} "
+                f"(precision {amp.get('precision')}, rule: {amp.get('rule')}); the first mismatch in "
+                "graph order")
+        return value
+
+
+def verify(gm: fx.GraphModule, *inputs, **kwargs) -> None:
+    """Run `gm` on `inputs` and raise DtypeMismatch at the first node whose dtype is not the recorded one."""
+    if "amp" not in getattr(gm, "meta", {}):
+        raise ValueError("verify() needs a GraphModule returned by amp_compiler.convert()")
+    if "children" in gm.meta["amp"]:   # the model's own forward runs as written: check each converted child
+        _verify_children(gm, inputs, kwargs)
+        return
+    flat = inputs
+    codegen = gm.graph._codegen
+    if isinstance(codegen, fx.graph._PyTreeCodeGen):   # the graph's placeholders are the flat inputs
+        flat = tuple(codegen.process_inputs(*inputs, *kwargs.values()))
+    elif kwargs:
+        flat = (*inputs, *kwargs.values())
+    with torch.no_grad():
+        _Checker(gm).run(*flat)
+
+
+def _verify_children(model, inputs, kwargs) -> None:
+    children = [model.get_submodule(name) for name in model.meta["amp"]["children"]]
+    handles = [child.register_forward_pre_hook(lambda module, args, kw: verify(module, *args, **kw),
+                                               with_kwargs=True) for child in children]
+    try:
+        with torch.no_grad():
+            model(*inputs, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,145 @@
+"""The `export` and `convert-onnx` subcommands, for amp_compiler/cli.py to mount on its parser.
+
+    amp-compiler export models:build out.onnx --kwarg name=bert --level O1 [--validate]
+    amp-compiler convert-onnx model.onnx model_fp16.onnx --level O1 [--op-block-list Softmax ...]
+
+MODULE:FACTORY names a callable; it returns an object with .model and .example_inputs (a models.ZooTask),
+a (model, example_inputs) pair, or a bare nn.Module (then --input-shape gives fp32 example inputs).
+Each parser sets func=handler; a handler takes the parsed args and returns the exit code (0 ok, 2 for
+a usage error such as a bad file, level or factory, printed as one line on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import os
+import sys
+
+import torch
+from torch import nn
+
+LEVEL_CHOICES_HELP = "O0, O1, O2, O3 or auto (default O1)"
+
+
+def add_export_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "export", help="convert a PyTorch model and export it as mixed-precision ONNX",
+        description="Convert MODULE:FACTORY's model with the amp rules and export it with torch.onnx (dynamo).")
+    parser.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. models:build (with --kwarg name=bert)")
+    parser.add_argument("output", metavar="OUT.onnx")
+    parser.add_argument("--kwarg", action="append", default=[], metavar="NAME=VALUE",
+                        help="keyword argument for the factory; VALUE is a Python literal or else a string")
+    parser.add_argument("--input-shape", action="append", default=[], metavar="D0,D1,...",
+                        help="shape of one fp32 example input, when the factory returns a bare module")
+    _add_common(parser)
+    parser.add_argument("--validate", action="store_true",
+                        help="compare the ONNX model with the PyTorch model on the example inputs")
+    parser.set_defaults(func=run_export)
+    return parser
+
+
+def add_convert_onnx_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "convert-onnx", help="convert an fp32 ONNX file to mixed precision with the same rules",
+        description="Apply the amp op policy to an existing ONNX model and write the mixed-precision model.")
+    parser.add_argument("input", metavar="IN.onnx")
+    parser.add_argument("output", metavar="OUT.onnx")
+    _add_common(parser)
+    parser.add_argument("--op-block-list", nargs="+", default=None, metavar="OP_TYPE",
+                        help="ONNX op types kept in fp32 (e.g. Softmax LayerNormalization)")
+    parser.add_argument("--node-block-list", nargs="+", default=None, metavar="NODE",
+                        help="node names kept in fp32")
+    parser.add_argument("--table", action="store_true", help="print every node's precision and rule")
+    parser.set_defaults(func=run_convert_onnx)
+    return parser
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--level", default="O1", help=LEVEL_CHOICES_HELP)
+    parser.add_argument("--dtype", default="float16", help="float16 (default) or bfloat16")
+    parser.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
+                        help="let inputs and outputs take the low dtype (default: they keep theirs)")
+    parser.add_argument("--force-fp32", nargs="+", default=(), metavar="PATTERN",
+                        help="node names or module paths (glob) kept in fp32")
+
+
+def run_export(args) -> int:
+    from amp_compiler.onnx.export import export_onnx
+    from amp_compiler.onnx.validate import validate_onnx
+    try:
+        model, example_inputs = _load_factory(args.factory, args.kwarg, args.input_shape)
+        report = export_onnx(model, example_inputs, args.output, level=args.level, dtype=args.dtype,
+                             keep_io_types=args.keep_io_types, **_force(args))
+        print(report)
+        if args.validate:
+            validation = validate_onnx(args.output, model, example_inputs)
+            print(validation)
+            return 0 if validation.passed else 1
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        return _usage_error("export", error)
+    return 0
+
+
+def run_convert_onnx(args) -> int:
+    from amp_compiler.onnx.convert import convert_onnx
+    try:
+        report = convert_onnx(args.input, args.output, level=args.level, dtype=args.dtype,
+                              keep_io_types=args.keep_io_types, op_block_list=args.op_block_list,
+                              node_block_list=args.node_block_list, **_force(args))
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        return _usage_error("convert-onnx", error)
+    print(report)
+    if args.table:
+        print(report.table())
+    return 0
+
+
+def _force(args) -> dict:
+    return {"force_fp32": list(args.force_fp32)} if args.force_fp32 else {}
+
+
+def _load_factory(spec: str, kwargs: list[str], shapes: list[str]) -> tuple[nn.Module, tuple]:
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"expected MODULE:FACTORY, got {spec!r}")
+    if os.getcwd() not in sys.path:   # like `python -m`: the current directory's modules are importable
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"cannot load {spec}: {error}") from error
+    made = factory(**dict(_keyword(k) for k in kwargs))
+    if hasattr(made, "model") and hasattr(made, "example_inputs"):
+        return made.model, tuple(made.example_inputs)
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
+        inputs = made[1]
+        return made[0], inputs if isinstance(inputs, tuple) else (inputs,)
+    if isinstance(made, nn.Module):
+        if not shapes:
+            raise ValueError(f"{spec} returned a bare module: give its example inputs with --input-shape")
+        return made, tuple(torch.randn(*_shape(s)) for s in shapes)
+    raise TypeError(f"{spec} returned {type(made).__name__}; expected an object with .model and "
+                    ".example_inputs, a (model, example_inputs) pair, or an nn.Module")
+
+
+def _keyword(text: str) -> tuple[str, object]:
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--kwarg expects NAME=VALUE, got {text!r}")
+    try:
+        return name, ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return name, raw
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise ValueError(f"--input-shape expects comma-separated integers, got {text!r}") from None
+
+
+def _usage_error(command: str, error: Exception) -> int:
+    print(f"amp-compiler {command}: error: {error}", file=sys.stderr)
+    return 2

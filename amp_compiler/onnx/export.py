@@ -1,0 +1,168 @@
+"""export_onnx(): the graph convert() builds for training, exported as an fp16 ONNX model for inference.
+
+    model --convert(level)--> GraphModule with explicit casts --torch.onnx.export(dynamo=True)--> ONNX
+          --unify input types -> widen refused nodes -> fold casts -> (lower graph inputs) -> sort--> file
+
+The precision of every op is the one convert() chose, so the ONNX model computes what training computed.
+One exception, said out loud in the report: a weight that fp16 cannot hold (|x| > 65504) would reach the
+graph as inf, so the nodes reading it are converted again with force_fp32 and keep it exact.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import warnings
+
+import onnx_ir as ir
+import torch
+import torch.fx as fx
+from onnx_ir.passes.common import TopologicalSortPass
+from torch import nn
+
+from amp_compiler.config import make_config
+from amp_compiler.convert import convert
+from amp_compiler.onnx.convert import IR_LOW_DTYPES, conversion_warnings
+from amp_compiler.onnx.files import save_onnx_model, weight_bytes
+from amp_compiler.onnx.report import OnnxConversionReport, count_casts
+from amp_compiler.insight.report import explain
+from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
+from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
+from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
+from amp_compiler.passes.onnx.spec import FP16_MAX, is_float_type
+from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.onnx.unify_input_types import unify_onnx_input_types
+from amp_compiler.passes.onnx.unique_names import unique_onnx_names
+from amp_compiler.passes.onnx.widen_refused_nodes import widen_refused_onnx_nodes
+
+
+def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.float16, keep_io_types: bool = True,
+                dynamic_shapes=None, **overrides) -> OnnxConversionReport:
+    """Convert `model` at `level` and write it to `path` as ONNX (weights in `dtype` where ops run in it).
+
+    `args` are example inputs (a tuple, or one tensor); `dynamic_shapes` follows torch.export. Keyword
+    overrides are convert()'s (allow_ops, deny_ops, force_fp32, force_low, keep_batchnorm_fp32, ...).
+    The export is an inference graph: dropout off, batch norm on running statistics.
+    """
+    started = time.perf_counter()
+    args = args if isinstance(args, tuple) else (args,)
+    config = make_config(level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
+    gm = convert(model, level, example_inputs=args, dtype=dtype, keep_io_types=keep_io_types, **overrides)
+    kept, notes = _weights_beyond_fp16(gm) if config.low_dtype == torch.float16 else ((), [])
+    if kept:
+        force = (*_as_tuple(overrides.pop("force_fp32", ())), *kept)
+        gm = convert(model, level, example_inputs=args, dtype=dtype, keep_io_types=keep_io_types,
+                     force_fp32=force, **overrides)
+    gm.eval()
+    onnx_model = _export(gm, args, dynamic_shapes)
+    report = OnnxConversionReport(type(model).__name__, os.fspath(path), config.level, config.low_dtype_name,
+                                  config.keep_io_types, weight_bytes_before=fp32_weight_bytes(onnx_model),
+                                  warnings=notes)
+    counts = run_export_pipeline(onnx_model, IR_LOW_DTYPES[config.low_dtype], config.keep_io_types)
+    save_onnx_model(onnx_model, path)
+    report.pass_counts = counts
+    report.rows = [{"node": r["node"], "op_type": "(fx)", "op": r["op"], "precision": r["dtype"], "rule": r["rule"]}
+                   for r in explain(gm).rows]
+    report.casts, report.weight_bytes_after = count_casts(onnx_model), weight_bytes(onnx_model)
+    report.warnings += conversion_warnings(counts)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def run_export_pipeline(model: ir.Model, low: ir.DataType, keep_io_types: bool) -> dict:
+    """The ONNX passes an exported graph needs; its precisions were decided by convert()."""
+    steps = (
+        lambda: unique_onnx_names(model),
+        lambda: unify_onnx_input_types(model),      # torch's fp16-data/fp32-weight norms are not valid ONNX
+        lambda: widen_refused_onnx_nodes(model),    # the few fp16 kernels ONNX Runtime refuses
+        lambda: fold_onnx_casts(model),             # after the casts above: Cast(weight) -> fp16 initializer
+        lambda: lower_onnx_graph_inputs(model, low) if not keep_io_types else PassResult(model, False),
+        lambda: PassResult(model, TopologicalSortPass()(model).modified),
+    )
+    counts: dict[str, int] = {}
+    for step in steps:
+        counts.update(step().counts)
+    return counts
+
+
+def export_fp32_reference(model: nn.Module, args: tuple, path, dynamic_shapes=None) -> None:
+    """The unconverted model as ONNX (eval mode): the reference validate_onnx compares against."""
+    was_training = model.training
+    model.eval()
+    try:
+        save_onnx_model(_export(model, args, dynamic_shapes), path)
+    finally:
+        model.train(was_training)
+
+
+def _export(module: nn.Module, args: tuple, dynamic_shapes) -> ir.Model:
+    with warnings.catch_warnings(), _quiet("torch.onnx._internal.exporter._registration"), \
+            contextlib.redirect_stdout(None):
+        warnings.simplefilter("ignore", FutureWarning)   # pytree deprecations inside torch.export
+        program = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes, verbose=False)
+    return program.model
+
+
+def _weights_beyond_fp16(gm: fx.GraphModule) -> tuple[tuple[str, ...], list[str]]:
+    """force_fp32 patterns for the ops that read a weight fp16 cannot hold, and the notes to report."""
+    patterns: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (amp_cast, amp_module_call) or \
+                node.args[1] != torch.float16 or getattr(node.args[0], "op", None) != "get_attr":
+            continue
+        owner = _fetch(gm, node.args[0].target)
+        tensors = dict(owner.named_parameters()) if isinstance(owner, nn.Module) else {"": owner}
+        for name, tensor in tensors.items():
+            peak = _peak(tensor)
+            if peak <= FP16_MAX:
+                continue
+            readers = [node] if node.target is amp_module_call else list(node.users)
+            where = ".".join(p for p in (node.args[0].target, name) if p)
+            for reader in readers:
+                pattern = reader.meta.get("amp", {}).get("module") or reader.name
+                patterns.setdefault(pattern, f"{where} holds |x| up to {peak:.6g} > {FP16_MAX:g} (fp16 max): "
+                                             f"{pattern!r} exported in fp32")
+    return tuple(patterns), list(patterns.values())
+
+
+def _peak(tensor) -> float:
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in (torch.float32, torch.float64) or \
+            tensor.numel() == 0:
+        return 0.0
+    finite = tensor.detach().abs()
+    finite = finite[torch.isfinite(finite)]
+    return float(finite.max()) if finite.numel() else 0.0
+
+
+def _fetch(gm: fx.GraphModule, target: str):
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def fp32_weight_bytes(model: ir.Model) -> int:
+    """What the exported initializers would take with every float tensor in fp32 (an fp32 export)."""
+    total = 0
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is not None:
+            total += tensor.size * 4 if is_float_type(tensor.dtype) else tensor.nbytes
+    return total
+
+
+def _as_tuple(value) -> tuple:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    """The exporter logs a warning per optional torchvision op on every export: not the user's concern."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

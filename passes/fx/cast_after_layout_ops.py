@@ -1,0 +1,40 @@
+"""Cast after a transpose, not before it: the cast's copy then writes the matmul-friendly layout.
+
+    t = transpose(amp_cast(x, bf16), 0, 1); linear(t, w)   ->   t = transpose(x, 0, 1)           (a view)
+                                                                linear(amp_cast(t, bf16, contiguous=True), w)
+A transposed low-precision activation makes CPU matmul kernels take a strided path (a bf16 linear on a
+transposed (197, 2, 768) input: 1.1 s, against 7 ms when the same input is contiguous). The cast copies
+the tensor anyway, so writing the copy row-major costs nothing. Views of fp32 values are free, so the
+layout op moves to the fp32 side. Runs after fold_casts; new casts carry meta["amp_role"] = "cast".
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from amp_compiler.passes.fx.runtime import dtype_name, is_cast
+from amp_compiler.passes.pass_result import PassResult
+
+LAYOUT_OPS = {"transpose", "permute", "t", "swapaxes", "movedim"}
+
+
+def cast_after_layout_ops(gm: fx.GraphModule) -> PassResult:
+    graph, moved = gm.graph, 0
+    for cast in [n for n in graph.nodes if is_cast(n)]:
+        source, dtype = cast.args
+        for view in [u for u in cast.users if u.meta.get("amp", {}).get("op") in LAYOUT_OPS
+                     and u.args and u.args[0] is cast and u.op in ("call_function", "call_method")]:
+            with graph.inserting_before(view):
+                fp32_view = graph.node_copy(view, lambda n: source if n is cast else n)
+                fp32_view.meta = {**view.meta, "amp": {
+                    **view.meta["amp"], "dtype": source.meta["amp"]["dtype"], "precision": None,
+                    "rule": "layout op moved before its cast: the cast writes the transposed value row-major"}}
+                new_cast = graph.call_function(cast.target, (fp32_view, dtype), {"contiguous": True})
+            new_cast.meta = {**cast.meta, "amp": {**cast.meta["amp"], "rule": f"boundary: {fp32_view.name} "
+                             f"read as {dtype_name(dtype)}, written contiguous"}}
+            new_cast.meta["amp_role"] = "cast"
+            view.replace_all_uses_with(new_cast)
+            graph.erase_node(view)
+            moved += 1
+        if not cast.users:
+            graph.erase_node(cast)
+    return PassResult(gm, modified=moved > 0, counts={"casts_moved_after_layout_ops": moved})

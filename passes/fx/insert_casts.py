@@ -1,0 +1,87 @@
+"""Insert the casts that painting implies, one per (value, dtype), shared by every consumer.
+
+    y = linear(x, w)               ->   x_f16 = amp_cast(x, float16); w_f16 = amp_cast(w, float16)
+                                        y = linear(x_f16, w_f16)
+Each painted node gets its float operands in its own precision; with keep_io_types the graph's outputs
+get back the dtype the original model returned. Reads meta["amp"]["dtype"] (infer_dtypes after
+painting) and ["precision"]; new cast nodes carry meta["amp_role"] = "cast".
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from amp_compiler.passes.fx.runtime import amp_cast, dtype_name, is_cast, is_float
+from amp_compiler.passes.pass_result import PassResult
+
+
+def written_value(node: fx.Node) -> fx.Node | None:
+    """The value an in-place op writes (its first argument), else None."""
+    if node.meta.get("amp", {}).get("inplace") and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None
+
+
+def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, why: str) -> fx.Node:
+    cast = graph.call_function(amp_cast, (value, dtype))
+    cast.meta["amp_role"] = "cast"
+    cast.meta["amp"] = {"op": "cast", "class": "cast", "precision": None, "dtype": dtype,
+                        "module": value.meta.get("amp", {}).get("module", ""), "rule": why}
+    cast._rename(f"{value.name}_{dtype_name(dtype)}")  # unique within the graph
+    return cast
+
+
+def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: list,
+                 keep_io_types: bool = True) -> PassResult:
+    graph = gm.graph
+    shared: dict[tuple[fx.Node, torch.dtype, int], fx.Node] = {}
+    writes: dict[fx.Node, int] = {}  # in-place writes seen so far: a cast made before one is stale after it
+    inserted = 0
+
+    def cast_of(value: fx.Node, dtype: torch.dtype, consumer: fx.Node) -> fx.Node:
+        nonlocal inserted
+        key = (value, dtype, writes.get(value, 0))
+        if key not in shared:
+            with graph.inserting_before(consumer):  # the first reader: later readers share it
+                why = f"boundary: {value.name} ({dtype_name(value.meta['amp']['dtype'])}) read as {dtype_name(dtype)}"
+                shared[key] = make_cast(graph, value, dtype, why)
+            inserted += 1
+        return shared[key]
+
+    for node in list(graph.nodes):
+        amp = node.meta.get("amp", {})
+        target = written_value(node)
+        if target is not None:
+            writes[target] = writes.get(target, 0) + 1
+        if amp.get("family") == "inplace":  # operands follow the written tensor, which is never cast
+            want = target.meta.get("amp", {}).get("dtype") if target is not None else None
+            operands = [v for v in node.all_input_nodes if v is not target]
+        else:
+            precision = amp.get("precision")
+            want = {"low": low, "fp32": torch.float32}.get(precision)
+            operands = list(node.all_input_nodes)
+            if amp.get("fp32_weights"):  # mixed norm kernel: parameters and statistics are read in fp32
+                operands = [v for v in operands if v.op != "get_attr"]
+        if not is_float(want):
+            continue
+        for value in operands:
+            have = value.meta.get("amp", {}).get("dtype")
+            if is_float(have) and have != want:
+                node.replace_input_with(value, cast_of(value, want, node))
+
+    if keep_io_types:
+        output = next(n for n in graph.nodes if n.op == "output")
+        outputs = output_value_nodes(gm)
+        for value, original in zip(outputs, original_output_dtypes):
+            have = value.meta.get("amp", {}).get("dtype")
+            if is_float(have) and is_float(original) and have != original:
+                output.replace_input_with(value, cast_of(value, original, output))
+    return PassResult(gm, modified=inserted > 0, counts={"casts_inserted": inserted})
+
+
+def output_value_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The distinct nodes the graph returns, in order."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    found: list[fx.Node] = []
+    fx.node.map_arg(output.args, lambda n: found.append(n) if n not in found else None)
+    return found

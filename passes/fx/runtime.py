@@ -1,0 +1,96 @@
+"""What generated code calls: every helper a converted GraphModule's forward names, in one module.
+
+    amp_cast(x, torch.float16)                           a cast node (insert_casts)
+    amp_module_call(self.gru, torch.float16, x)          a low leaf with its parameters cast for one call
+    amp_opaque_call(self.block, (torch.bfloat16, torch.float32), x)   code fx cannot see into (opaque_calls)
+    dropout_p_when_training(p, self.training_flag())     a train flag torch.export baked in (export_capture)
+
+Each is a `graph_leaf`: torch.load re-creates a GraphModule by tracing its generated code again;
+torch.fx.wrap only covers calls by the wrapped name inside the module that wrapped it, so without this
+the re-trace would run the function's body on proxies (amp_cast would silently become a no-op).
+Saved files name these by module path: moving one breaks old files (amp_compiler/legacy_names.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def dtype_name(dtype) -> str:
+    """torch.float16 -> "float16", as reports and node names spell it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def is_float(dtype) -> bool:
+    """Castable by AMP: fp32/fp16/bf16. fp64, integers and bools are never cast."""
+    return dtype in FLOAT_DTYPES
+
+
+def graph_leaf(fn):
+    @functools.wraps(fn)
+    def leaf(*args, **kwargs):
+        proxies: list = []
+        fx.node.map_aggregate((args, kwargs), lambda v: proxies.append(v) if isinstance(v, fx.Proxy) else None)
+        if proxies:
+            return proxies[0].tracer.create_proxy("call_function", leaf, args, kwargs)
+        return fn(*args, **kwargs)
+    return leaf
+
+
+@graph_leaf
+def amp_cast(value, dtype: torch.dtype, contiguous: bool = False):
+    """Cast fp32/fp16/bf16 tensors (also inside tuples, lists, dicts) to `dtype`; the rest passes through.
+    `contiguous`: write the copy in row-major order (a transposed input costs low-precision matmuls dearly)."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype != dtype and value.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            return value.to(dtype, memory_format=torch.contiguous_format if contiguous else torch.preserve_format)
+        return value
+    if isinstance(value, (tuple, list, dict)):
+        return torch.utils._pytree.tree_map(lambda leaf: amp_cast(leaf, dtype, contiguous), value)
+    return value
+
+
+def is_cast(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is amp_cast
+
+
+@graph_leaf
+def amp_module_call(module: nn.Module, dtype: torch.dtype, *args, **kwargs):
+    """Run `module` with its floating parameters cast to `dtype` for this call only."""
+    params = {name: p.to(dtype) if p.is_floating_point() and p.dtype != torch.float64 else p
+              for name, p in module.named_parameters()}
+    return torch.func.functional_call(module, params, args, kwargs)
+
+
+def _device_type(values) -> str:
+    for leaf in torch.utils._pytree.tree_leaves(values):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    return "cpu"
+
+
+@graph_leaf
+def amp_opaque_call(callee, policy: tuple, *args, **kwargs):
+    """Call `callee` (a module, a function or an autograd Function's apply) under `policy`:
+    (autocast dtype or None, dtype of the float outputs or None)."""
+    autocast_dtype, output_dtype = policy
+    scope = torch.autocast(_device_type((args, kwargs)), dtype=autocast_dtype) if autocast_dtype \
+        else contextlib.nullcontext()
+    with scope:
+        out = callee(*args, **kwargs)
+    if output_dtype is None:
+        return out
+    return torch.utils._pytree.tree_map(
+        lambda v: v.to(output_dtype) if isinstance(v, torch.Tensor) and is_float(v.dtype)
+        and v.dtype != output_dtype else v, out)
+
+
+@graph_leaf
+def dropout_p_when_training(p: float, training: bool) -> float:
+    return p if training else 0.0

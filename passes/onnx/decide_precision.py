@@ -1,0 +1,162 @@
+"""Decide a precision for every ONNX node with the fx side's rules and painting, on a view of the ONNX graph.
+
+    node.meta["amp"] += {class, family, reason, precision: "low"|"fp32"|None, rule, forced}
+
+The view has one vertex per node that computes on fp32/fp16/bf16 tensors, keyed by node name, and an edge
+per float data value from producer to reader. A value read inside an If branch links its outer producer
+to the reading node; an If node reads its branches' outputs, so a branch and the code after the If paint
+together. Loop/Scan bodies are painted op by op, their loop-carried values keep their dtype.
+Forced fp32, before painting, strongest first: nodes that cannot run in the low dtype (the op's ONNX
+schema has no such type, or ONNX Runtime refuses it), op_block_list (ONNX op types), node_block_list
+(node names), the user's force_fp32/force_low patterns on node names and torch module paths, and nodes
+that read a constant fp16 cannot hold (an initializer, Constant or ConstantOfShape fill beyond 65504),
+directly or through reshapes and other data movement.
+Reads meta["amp"]["op"] and ["module"] (onnx_canonicalize) and the value types in the model.
+"""
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+import onnx_ir as ir
+
+from amp_compiler.passes.onnx.canonicalize import all_nodes
+from amp_compiler.passes.onnx.cast_nodes import model_graphs
+from amp_compiler.passes.onnx.spec import (FP16_MAX, input_role, is_float_value, is_onnx_op, low_precision_blocker,
+                                     subgraphs_of)
+from amp_compiler.passes.painting.paint_precision import PAINTABLE, paint_precision
+from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.policy.rules import PrecisionRules
+
+
+def decide_onnx_precision(model: ir.Model, rules: PrecisionRules, low: ir.DataType, *, op_block_list=(),
+                          node_block_list=()) -> PassResult:
+    nodes = list(all_nodes(model.graph))
+    missing = sorted(set(node_block_list) - {n.name for n in nodes})
+    if missing:
+        raise ValueError(f"node_block_list names {missing}, which are not nodes of this model")
+    for node in nodes:
+        amp = node.meta["amp"]
+        amp.update(zip(("class", "family", "reason"), rules.classify(amp["op"])))
+        if amp["class"] in PAINTABLE and not _computes_on_floats(node):
+            amp["class"], amp["reason"] = "ignore", "no fp32/fp16/bf16 operand (int, bool or fp64): untouched"
+        elif amp["class"] in PAINTABLE and _has_untyped_tensor(node):
+            amp["class"], amp["reason"] = "ignore", "type inference cannot type its inputs/outputs: untouched"
+    blocked = _block_lists(nodes, set(op_block_list), set(node_block_list))
+    opset = model.opset_imports.get("", 1)
+    for node in nodes:
+        # deny ops are fp32 anyway: their report keeps the policy's reason
+        why = low_precision_blocker(node, low, opset) if node.meta["amp"]["class"] in ("allow", "infer", "clear") \
+            else None
+        if why:
+            blocked[node] = why + ": kept fp32"
+    out_of_range = _readers_of_out_of_range_constants(model) if rules.low_dtype == "float16" else {}
+    view = _build_view(nodes, rules, blocked, out_of_range)
+    rules.check_all_patterns_matched()
+    counts = paint_precision(view, bf16=rules.low_dtype == "bfloat16")
+    for node in nodes:
+        amp = node.meta["amp"]
+        if node.name in view:
+            painted = view.nodes[node.name]
+            amp["precision"], amp["rule"] = painted["precision"], painted["rule"]
+            amp["forced"] = painted["forced"] is not None   # later passes never overturn a forced precision
+        else:
+            amp["precision"], amp["rule"] = None, amp["reason"]
+    return PassResult(model, modified=False, counts={"nodes_low": counts["low"], "nodes_fp32": counts["fp32"]})
+
+
+def _build_view(nodes: list[ir.Node], rules: PrecisionRules, blocked: dict, out_of_range: dict) -> nx.DiGraph:
+    view = nx.DiGraph()
+    for node in nodes:
+        amp = node.meta["amp"]
+        if amp["class"] not in PAINTABLE:
+            continue
+        # Precedence: what cannot run low and the call's block lists, the user's patterns, the range guard.
+        by_pattern = rules.forced(amp["module"], node.name)
+        if node in blocked:
+            forced = ("fp32", blocked[node])
+        elif by_pattern is not None:
+            forced = by_pattern
+        else:
+            forced = ("fp32", out_of_range[node]) if node in out_of_range else None
+        view.add_node(node.name, cls=amp["class"], reason=amp["reason"], forced=forced)
+    for node in nodes:
+        if node.name not in view:
+            continue
+        for value in _data_inputs(node):
+            producer = value.producer()
+            if producer is not None and producer.name in view:
+                view.add_edge(producer.name, node.name)
+    return view
+
+
+def _data_inputs(node: ir.Node) -> list[ir.Value]:
+    """The float values whose precision follows the node's: data inputs, or an If's branch outputs."""
+    if is_onnx_op(node, "If"):
+        return [v for branch in subgraphs_of(node) for v in branch.outputs if is_float_value(v)]
+    return [v for i, v in enumerate(node.inputs) if is_float_value(v) and input_role(node, i) == "data"]
+
+
+def _computes_on_floats(node: ir.Node) -> bool:
+    return any(is_float_value(v) for v in (*node.inputs, *node.outputs))
+
+
+def _has_untyped_tensor(node: ir.Node) -> bool:
+    return any(v is not None and v.type is None for v in (*node.inputs, *node.outputs))
+
+
+def _block_lists(nodes: list[ir.Node], op_types: set, names: set) -> dict[ir.Node, str]:
+    forced = {}
+    for node in nodes:
+        if node.name in names:
+            forced[node] = f"node_block_list: {node.name}"
+        elif node.op_type in op_types:
+            forced[node] = f"op_block_list: {node.op_type}"
+    return forced
+
+
+def _readers_of_out_of_range_constants(model: ir.Model) -> dict[ir.Node, str]:
+    """Nodes that read (directly or through data movement) a constant fp16 cannot hold: they stay fp32
+    rather than see inf. Nothing is clipped: the values stay exact."""
+    forced: dict[ir.Node, str] = {}
+    for value, peak in _out_of_range_constants(model):
+        why = f"reads {value.name}, which holds |x| up to {peak:.6g} > {FP16_MAX:g} (fp16 max): kept fp32"
+        stack = [value]
+        while stack:
+            for reader in stack.pop().consumers():
+                if reader in forced:
+                    continue
+                forced[reader] = why
+                if reader.meta["amp"].get("class") == "clear":   # moves values unchanged: follow them
+                    stack.extend(v for v in reader.outputs if is_float_value(v))
+    return forced
+
+
+def _out_of_range_constants(model: ir.Model):
+    for graph in model_graphs(model.graph):
+        candidates = [v for v in graph.initializers.values() if is_float_value(v) and v.const_value is not None]
+        candidates += [n.outputs[0] for n in graph if is_onnx_op(n, "Constant", "ConstantOfShape")
+                       and is_float_value(n.outputs[0])]
+        for value in candidates:
+            tensor = _constant_tensor(value)
+            if tensor is None or tensor.size == 0:
+                continue
+            peak = _finite_peak(tensor.numpy())
+            if peak > FP16_MAX:
+                yield value, peak
+
+
+def _constant_tensor(value: ir.Value):
+    producer = value.producer()
+    if producer is not None and is_onnx_op(producer, "ConstantOfShape"):
+        fill = producer.attributes.get("value")
+        return fill.as_tensor() if fill is not None else None
+    return ir.convenience.get_const_tensor(value)
+
+
+def _finite_peak(array: np.ndarray) -> float:
+    """max |x| over the finite values; two reductions, no copy, unless the tensor holds inf or nan."""
+    peak = max(abs(float(array.max())), abs(float(array.min())))
+    if np.isfinite(peak):
+        return peak
+    finite = np.abs(array[np.isfinite(array)])
+    return float(finite.max()) if finite.size else 0.0

@@ -1,0 +1,1 @@
+"""IR-neutral painting: allow/infer/deny/clear classes on a networkx view of any graph."""

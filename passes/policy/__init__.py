@@ -1,0 +1,1 @@
+"""What precision each op wants: the policy table, and the rules in force for one conversion."""

@@ -1,0 +1,127 @@
+"""The rules in force for one conversion: the policy table after the dtype overlay, the level and the
+user's per-call op lists, plus forced precision by module path / node name / glob pattern.
+
+    PrecisionRules.build("O1", "float16", deny_ops=["gelu"], force_fp32=["encoder.layers.*.attn"])
+
+Everything here is format-neutral: the fx and ONNX front ends ask it about (op, path, name) triples.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from amp_compiler.passes.policy.op_policy import OpRule, policy_for
+
+LEVELS = ("O0", "O1", "O2", "O3")
+USER_CLASSES = ("allow", "deny", "infer", "clear")
+# Families that O2 keeps in fp32 (Apex keep_batchnorm_fp32, MindSpore's O2), and that losses always keep.
+O2_FP32_FAMILIES = ("norm",)
+LOSS_FAMILIES = ("loss",)
+# Norm kernels that take low-precision activations with fp32 weights and accumulate their statistics in
+# fp32 (cuDNN/ATen "mixed" kernels, what Apex's O2 relies on): at O2/O3 with keep_batchnorm_fp32 they
+# keep fp32 weights and statistics without casting the activations up and back down.
+MIXED_KERNEL_NORMS = ("batch_norm", "layer_norm", "group_norm")
+
+
+def _level_class(rule: OpRule, level: str, keep_norm_fp32: bool) -> tuple[str, str]:
+    """Class of one op at one level, with the reason to report."""
+    if level == "O1" or rule.cls not in ("deny", "infer"):
+        return rule.cls, rule.reason
+    if rule.family in LOSS_FAMILIES and level == "O2":
+        return "deny", f"{level}: losses stay fp32 ({rule.reason})"
+    if rule.family in O2_FP32_FAMILIES and keep_norm_fp32:
+        if rule.op in MIXED_KERNEL_NORMS:
+            return "allow", (f"{level}: fp32 weights and statistics on low-precision activations (the kernel "
+                             "accumulates in fp32; keep_batchnorm_fp32=True)")
+        return "deny", f"{level}: norms stay fp32 (keep_batchnorm_fp32=True)"
+    return "allow", f"{level}: everything runs in low precision"
+
+
+@dataclass
+class PrecisionRules:
+    level: str
+    low_dtype: str                      # "float16" | "bfloat16"
+    table: dict[str, tuple[str, str, str]]   # op -> (class, family, reason)
+    force_fp32: tuple[str, ...] = ()
+    force_low: tuple[str, ...] = ()
+    keep_norm_fp32: bool = True
+    matched_patterns: set[str] = field(default_factory=set)
+
+    @classmethod
+    def build(cls, level: str, low_dtype: str, *, keep_norm_fp32: bool | None = None,
+              allow_ops=(), deny_ops=(), infer_ops=(), clear_ops=(),
+              force_fp32=(), force_low=()) -> "PrecisionRules":
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {', '.join(LEVELS)} or 'auto', got {level!r}")
+        if keep_norm_fp32 is None:
+            keep_norm_fp32 = level != "O3"
+        table = {}
+        for op, rule in policy_for(low_dtype).items():
+            klass, reason = _level_class(rule, level, keep_norm_fp32)
+            table[op] = (klass, rule.family, reason)
+        user_lists = {"allow": allow_ops, "deny": deny_ops, "infer": infer_ops, "clear": clear_ops}
+        seen: dict[str, str] = {}
+        for klass, ops in user_lists.items():
+            for op in _as_tuple(ops, f"{klass}_ops"):
+                if op in seen and seen[op] != klass:
+                    raise ValueError(f"op {op!r} is in both {seen[op]}_ops and {klass}_ops: pick one")
+                seen[op] = klass
+                family = table[op][1] if op in table else "user"
+                table[op] = (klass, family, f"user rule: {op} in {klass}_ops")
+        force_fp32, force_low = _as_tuple(force_fp32, "force_fp32"), _as_tuple(force_low, "force_low")
+        both = set(force_fp32) & set(force_low)
+        if both:
+            raise ValueError(f"pattern(s) {sorted(both)} are in both force_fp32 and force_low: pick one")
+        return cls(level, low_dtype, table, force_fp32, force_low, keep_norm_fp32)
+
+    def classify(self, op: str) -> tuple[str, str, str]:
+        """(class, family, reason); an op the table does not know is denied and reported as unknown."""
+        if op in self.table:
+            return self.table[op]
+        return "deny", "unknown", f"unknown op {op!r}: kept fp32 (add it to allow_ops/infer_ops/clear_ops)"
+
+    def keeps_fp32_weights(self, op: str) -> bool:
+        """Whether a low-precision `op` reads its weights in fp32 (a mixed norm kernel at O2/O3)."""
+        return self.level in ("O2", "O3") and self.keep_norm_fp32 and op in MIXED_KERNEL_NORMS
+
+    def forced(self, module_path: str, node_name: str) -> tuple[str, str] | None:
+        """('fp32'|'low', rule text) when a force_* pattern names this node or a module around it."""
+        hits = []
+        for precision, patterns in (("fp32", self.force_fp32), ("low", self.force_low)):
+            for pattern in patterns:
+                if _matches(pattern, module_path, node_name):
+                    hits.append((precision, pattern))
+        if not hits:
+            return None
+        self.matched_patterns.update(p for _, p in hits)
+        if len({p for p, _ in hits}) > 1:
+            raise ValueError(f"node {node_name!r} (module {module_path!r}) is matched by force_fp32 and "
+                             f"force_low patterns {[pat for _, pat in hits]}: make them disjoint")
+        precision, pattern = hits[0]
+        return precision, f"user rule: force_{precision} {pattern!r}"
+
+    def check_all_patterns_matched(self) -> None:
+        unmatched = [p for p in (*self.force_fp32, *self.force_low) if p not in self.matched_patterns]
+        if unmatched:
+            raise ValueError(f"force_fp32/force_low pattern(s) {unmatched} matched no module path or node "
+                             "name; explain(gm) lists both")
+
+
+def _as_tuple(value, what: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise ValueError(f"{what} must be a list of strings, got {value!r}") from None
+    if not all(isinstance(v, str) for v in items):
+        raise ValueError(f"{what} must be a list of strings, got {value!r}")
+    return items
+
+
+def _matches(pattern: str, module_path: str, node_name: str) -> bool:
+    if fnmatch.fnmatchcase(node_name, pattern):
+        return True
+    parts = module_path.split(".") if module_path else []
+    # A module pattern covers everything inside that module.
+    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
