@@ -1,12 +1,13 @@
-"""convert(): the whole compiler as one readable pipeline.
+"""convert(): the whole compiler as one readable pipeline, FX_PIPELINE (print it to see the passes).
 
-    trace -> canonicalize -> propagate_values -> infer_dtypes -> decide_fx_precision -> plan_opaque_calls
-          -> lower_leaf_modules -> infer_dtypes -> insert_casts -> fold_casts -> cast_after_layout_ops
+    trace -> FX_PIPELINE (canonicalize ... decide_precision ... insert_casts -> fold_casts -> ...)
           -> GraphModule (+ gm.meta["amp"] summary)
 A model whose own forward cannot be captured runs as written with its children converted
 (convert_children).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -25,6 +26,7 @@ from amp_compiler.passes.fx.insert_casts import insert_casts, output_value_nodes
 from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
 from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
 from amp_compiler.passes.fx.propagate_values import propagate_values
+from amp_compiler.passes.runner import Pass, PassResult, Pipeline
 
 
 def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None = None,
@@ -55,30 +57,73 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     return gm
 
 
-def run_pipeline(gm: fx.GraphModule, config: AmpConfig, example_inputs=None) -> dict[str, int]:
-    """Run the passes in order on `gm` (in place); returns what each pass counted."""
-    low = config.low_dtype
-    canonicalize(gm)
-    if example_inputs is not None and not any("val" in n.meta for n in gm.graph.nodes):
-        propagate_values(gm, example_inputs)            # fake values (torch.export records its own)
-    infer_dtypes(gm, example_inputs, low)               # original dtypes: what is float, what we return
-    original_outputs = [n.meta["amp"]["dtype"] for n in output_value_nodes(gm)]
-    if config.level == "O0":
-        for node in gm.graph.nodes:
-            node.meta["amp"].update({"class": "-", "family": "-", "precision": None, "rule": "O0: unchanged"})
-        return {}
-    counts: dict[str, int] = {}
-    steps = (
-        lambda: decide_fx_precision(gm, config.precision_rules()),  # paint low/fp32 on every float node
-        lambda: plan_opaque_calls(gm, low),        # opaque bodies run under autocast, outputs as before
-        lambda: lower_leaf_modules(gm, low),       # low leaves read their params via get_attr: castable
-        lambda: infer_dtypes(gm, example_inputs, low),  # re-run: dtypes the painted graph computes in
-        lambda: insert_casts(gm, low, original_outputs, config.keep_io_types),
-        lambda: fold_casts(gm),                     # cleans up whatever the inserts left
-        lambda: cast_after_layout_ops(gm),          # a transposed low activation slows matmuls 100x
-    )
-    for step in steps:
-        counts.update(step().counts)
-    gm.graph.lint()
-    gm.recompile()  # passes edit gm.graph; the Python code is generated once, here
+@dataclass
+class FxState:
+    """What the fx passes share: the graph, the conversion's choices, and what the first dtype pass recorded."""
+    gm: fx.GraphModule
+    config: AmpConfig
+    example_inputs: tuple | None = None
+    original_outputs: list = field(default_factory=list)   # dtypes the original model returns
+
+    @property
+    def low(self) -> torch.dtype:
+        return self.config.low_dtype
+
+    @property
+    def paints(self) -> bool:
+        return self.config.level != "O0"
+
+
+def _original_dtypes(state: FxState) -> PassResult:
+    result = infer_dtypes(state.gm, state.example_inputs, state.low)   # what is float, what we return
+    state.original_outputs = [n.meta["amp"]["dtype"] for n in output_value_nodes(state.gm)]
+    return result
+
+
+def _mark_unchanged(state: FxState) -> PassResult:
+    for node in state.gm.graph.nodes:
+        node.meta["amp"].update({"class": "-", "family": "-", "precision": None, "rule": "O0: unchanged"})
+    return PassResult(modified=False)
+
+
+def _paints(state: FxState) -> bool:
+    return state.paints
+
+
+def check_fx_graph(state: FxState) -> None:
+    """The invariant every fx pass keeps (passes/README.md): a valid, topologically ordered graph."""
+    state.gm.graph.lint()
+
+
+_PAINTING = "when the level paints (not O0)"
+FX_PIPELINE = Pipeline("fx", (
+    Pass("canonicalize", lambda s: canonicalize(s.gm)),
+    Pass("propagate_values", lambda s: propagate_values(s.gm, s.example_inputs),   # fake values
+         when=lambda s: s.example_inputs is not None and not any("val" in n.meta for n in s.gm.graph.nodes),
+         when_says="when the front end recorded no values"),
+    Pass("infer_dtypes:original", _original_dtypes),
+    Pass("mark_unchanged", _mark_unchanged, when=lambda s: not s.paints, when_says="when the level does not paint"),
+    Pass("decide_precision", lambda s: decide_fx_precision(s.gm, s.config.precision_rules()),   # low/fp32 on floats
+         when=_paints, when_says=_PAINTING),
+    Pass("plan_opaque_calls", lambda s: plan_opaque_calls(s.gm, s.low),   # bodies under autocast, outputs as before
+         when=_paints, when_says=_PAINTING),
+    Pass("lower_leaf_modules", lambda s: lower_leaf_modules(s.gm, s.low),   # params via get_attr: castable
+         when=_paints, when_says=_PAINTING),
+    Pass("infer_dtypes:painted", lambda s: infer_dtypes(s.gm, s.example_inputs, s.low),   # what the painted graph computes
+         when=_paints, when_says=_PAINTING),
+    Pass("insert_casts", lambda s: insert_casts(s.gm, s.low, s.original_outputs, s.config.keep_io_types),
+         when=_paints, when_says=_PAINTING),
+    Pass("fold_casts", lambda s: fold_casts(s.gm), when=_paints, when_says=_PAINTING),   # cleans up the inserts
+    Pass("cast_after_layout_ops", lambda s: cast_after_layout_ops(s.gm),   # a transposed low input slows matmuls
+         when=_paints, when_says=_PAINTING),
+), check=check_fx_graph)
+
+
+def run_pipeline(gm: fx.GraphModule, config: AmpConfig, example_inputs=None) -> dict[str, dict[str, int]]:
+    """Run FX_PIPELINE on `gm` (in place); returns what each pass counted, by pass."""
+    state = FxState(gm, config, example_inputs)
+    counts = FX_PIPELINE.run(state)
+    if state.paints:
+        gm.graph.lint()
+        gm.recompile()  # passes edit gm.graph; the Python code is generated once, here
     return counts

@@ -18,7 +18,7 @@ import sys
 # are the public functions of the same name.
 RENAMED = {
     "passes": "amp_compiler.passes",
-    "passes.pass_result": "amp_compiler.passes.pass_result",
+    "passes.pass_result": "amp_compiler.passes.runner",
     "passes.op_policy": "amp_compiler.passes.policy.op_policy",
     "passes.rules": "amp_compiler.passes.policy.rules",
     "passes.paint_precision": "amp_compiler.passes.painting.paint_precision",

@@ -63,7 +63,7 @@ def test_o3_norm_weights_follow_the_fp16_data(tmp_path, net):
     model = onnx.load(path)
     norm = next(n for n in all_nodes(model) if n.op_type == "LayerNormalization")
     assert input_types(model, norm) == [F16, F16, F16]
-    assert report.pass_counts["mixed_dtype_inputs_cast"] == 2
+    assert report.pass_counts["unify_input_types"]["mixed_dtype_inputs_cast"] == 2
 
 
 def test_o1_norm_stays_fp32(tmp_path, net):

@@ -73,7 +73,7 @@ def test_an_embedding_table_is_stored_fp16_with_one_cast_of_the_rows(tmp_path):
     assert casts.count(("rows", F32)) == 1                     # the gathered rows, once, up to fp32
     assert input_types(converted, nodes_of(converted, "Gather")[0])[0] == F16
     assert input_types(converted, nodes_of(converted, "LayerNormalization")[0])[0] == F32
-    assert report.pass_counts["moved_weights_stored_low"] == 1
+    assert report.pass_counts["store_moved_weights_low"]["moved_weights_stored_low"] == 1
     assert "weights only moved by fp32 ops (embedding tables...): 1 stored in float16" in str(report)
     assert {r["node"]: r["precision"] for r in report.rows}["lookup"] == "float16"
     (out,), (ref,) = run(path, {"ids": IDS}), run(src, {"ids": IDS})
@@ -86,7 +86,7 @@ def test_a_table_beyond_fp16_range_stays_fp32_and_exact(tmp_path):
     converted, path, src, report = convert_twice(tmp_path, lookup_model(table))
     assert stored_dtypes(converted)["table"] == F32
     assert "65504" in {r["node"]: r["rule"] for r in report.rows}["lookup"]
-    assert report.pass_counts["moved_weights_stored_low"] == 0
+    assert report.pass_counts["store_moved_weights_low"]["moved_weights_stored_low"] == 0
     ids = np.full((2, 4), 5, np.int64)
     (out,), (ref,) = run(path, {"ids": ids}), run(src, {"ids": ids})
     assert np.isfinite(out).all() and np.allclose(out, ref, rtol=1e-2, atol=1e-2)

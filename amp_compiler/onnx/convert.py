@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
+import onnx
 import onnx_ir as ir
 import torch
 from onnx_ir.passes.common import TopologicalSortPass
@@ -25,7 +27,7 @@ from amp_compiler.passes.onnx.infer_types import infer_onnx_types
 from amp_compiler.passes.onnx.insert_casts import insert_onnx_casts
 from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
 from amp_compiler.passes.onnx.canonicalize import onnx_canonicalize
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import Pass, PassResult, Pipeline, count
 from amp_compiler.passes.onnx.store_moved_weights_low import store_moved_onnx_weights_low
 from amp_compiler.passes.onnx.strip_float_casts import strip_onnx_float_casts
 from amp_compiler.passes.onnx.unique_names import unique_onnx_names
@@ -58,46 +60,65 @@ def convert_onnx(src, dst, level: str = "O1", *, keep_io_types: bool = True, op_
     return report
 
 
+@dataclass
+class OnnxState:
+    """What the ONNX passes share: the model (edited in place) and the conversion's choices."""
+    model: ir.Model
+    config: AmpConfig
+    op_block_list: tuple[str, ...] = ()
+    node_block_list: tuple[str, ...] = ()
+
+    @property
+    def low(self) -> ir.DataType:
+        return IR_LOW_DTYPES[self.config.low_dtype]
+
+
+def sort_nodes(model: ir.Model) -> PassResult:
+    return PassResult(modified=TopologicalSortPass()(model).modified)
+
+
+def check_onnx_model(state) -> None:
+    """The invariants every ONNX pass keeps: a model onnx.checker accepts (types are checked at the end)."""
+    onnx.checker.check_model(ir.serde.serialize_model(state.model))
+
+
+_LOWERS_INPUTS = "when keep_io_types=False"
+ONNX_PIPELINE = Pipeline("onnx", (
+    Pass("unique_names", lambda s: unique_onnx_names(s.model)),   # decisions and block lists address nodes by name
+    Pass("sort", lambda s: sort_nodes(s.model)),
+    Pass("canonicalize", lambda s: onnx_canonicalize(s.model)),
+    Pass("infer_types:fill", lambda s: infer_onnx_types(s.model, verify_rewrite=False)),   # what is float
+    Pass("strip_float_casts", lambda s: strip_onnx_float_casts(s.model)),   # records source dtypes, painting decides
+    Pass("decide_precision", lambda s: decide_onnx_precision(s.model, s.config.precision_rules(), s.low,
+                                                             op_block_list=s.op_block_list,
+                                                             node_block_list=s.node_block_list)),
+    Pass("store_moved_weights_low", lambda s: store_moved_onnx_weights_low(s.model, s.low)),   # revisits fp32 movers
+    Pass("insert_casts", lambda s: insert_onnx_casts(s.model, s.low, s.config.keep_io_types)),
+    Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # weights, constants, chains, duplicates
+    Pass("lower_graph_inputs", lambda s: lower_onnx_graph_inputs(s.model, s.low),
+         when=lambda s: not s.config.keep_io_types, when_says=_LOWERS_INPUTS),
+    Pass("infer_types:verify", lambda s: infer_onnx_types(s.model, verify_rewrite=True)),   # ONNX must agree
+    Pass("sort:after_rewrite", lambda s: sort_nodes(s.model)),
+), check=check_onnx_model)
+
+
 def run_onnx_pipeline(model: ir.Model, config: AmpConfig, *, op_block_list=(), node_block_list=()) -> dict:
-    """Run the ONNX passes in order on `model` (in place); returns what each pass counted."""
-    low = IR_LOW_DTYPES[config.low_dtype]
+    """Run ONNX_PIPELINE on `model` (in place); returns what each pass counted, by pass."""
     if config.level == "O0":
         return {}
-    steps = (
-        lambda: unique_onnx_names(model),             # decisions and block lists address nodes by name
-        lambda: _sorted(model),
-        lambda: onnx_canonicalize(model),
-        lambda: infer_onnx_types(model, verify_rewrite=False),   # painting needs to know what is float
-        lambda: strip_onnx_float_casts(model),        # records source dtypes, then lets painting decide
-        lambda: decide_onnx_precision(model, config.precision_rules(), low, op_block_list=op_block_list,
-                                      node_block_list=node_block_list),
-        lambda: store_moved_onnx_weights_low(model, low),   # after painting: it revisits fp32 data movement
-        lambda: insert_onnx_casts(model, low, config.keep_io_types),
-        lambda: fold_onnx_casts(model),               # after insertion: weights, constants, chains, duplicates
-        lambda: lower_onnx_graph_inputs(model, low) if not config.keep_io_types else PassResult(model, False),
-        lambda: infer_onnx_types(model, verify_rewrite=True),   # last rewrite done: ONNX must agree
-        lambda: _sorted(model),
-    )
-    counts: dict[str, int] = {}
-    for step in steps:
-        counts.update(step().counts)
-    return counts
+    return ONNX_PIPELINE.run(OnnxState(model, config, tuple(op_block_list), tuple(node_block_list)))
 
 
 def conversion_warnings(counts: dict) -> list[str]:
     warnings = []
-    if counts.get("constant_values_overflowed"):
-        warnings.append(f"{counts['constant_values_overflowed']} constant values exceed the low-precision range "
+    overflowed, untyped = count(counts, "constant_values_overflowed"), count(counts, "values_typed_without_schema")
+    if overflowed:
+        warnings.append(f"{overflowed} constant values exceed the low-precision range "
                         "and became inf where the model itself casts them")
-    if counts.get("values_typed_without_schema"):
-        warnings.append(f"{counts['values_typed_without_schema']} values come from ops ONNX has no schema for; "
+    if untyped:
+        warnings.append(f"{untyped} values come from ops ONNX has no schema for; "
                         "their types are the rewrite's, not inferred")
     return warnings
-
-
-def _sorted(model: ir.Model) -> PassResult:
-    result = TopologicalSortPass()(model)
-    return PassResult(model, modified=result.modified)
 
 
 def _names(value, what: str) -> tuple[str, ...]:

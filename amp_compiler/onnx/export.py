@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import time
 import warnings
+from dataclasses import dataclass
 
 import onnx_ir as ir
 import torch
 import torch.fx as fx
-from onnx_ir.passes.common import TopologicalSortPass
 from torch import nn
 
 from amp_compiler.config import make_config
 from amp_compiler.convert import convert
-from amp_compiler.onnx.convert import IR_LOW_DTYPES, conversion_warnings
+from amp_compiler.onnx.convert import IR_LOW_DTYPES, check_onnx_model, conversion_warnings, sort_nodes
 from amp_compiler.onnx.files import save_onnx_model, weight_bytes
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts
 from amp_compiler.insight.report import explain
@@ -31,7 +32,7 @@ from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
 from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
 from amp_compiler.passes.onnx.spec import FP16_MAX, is_float_type
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import Pass, Pipeline
 from amp_compiler.passes.onnx.unify_input_types import unify_onnx_input_types
 from amp_compiler.passes.onnx.unique_names import unique_onnx_names
 from amp_compiler.passes.onnx.widen_refused_nodes import widen_refused_onnx_nodes
@@ -70,20 +71,27 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
     return report
 
 
+@dataclass
+class ExportState:
+    model: ir.Model
+    low: ir.DataType
+    keep_io_types: bool
+
+
+EXPORT_PIPELINE = Pipeline("export_onnx", (
+    Pass("unique_names", lambda s: unique_onnx_names(s.model)),
+    Pass("unify_input_types", lambda s: unify_onnx_input_types(s.model)),   # torch's fp16-data/fp32-weight norms
+    Pass("widen_refused_nodes", lambda s: widen_refused_onnx_nodes(s.model)),   # fp16 kernels ONNX Runtime refuses
+    Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # after the casts above: Cast(weight) -> fp16 initializer
+    Pass("lower_graph_inputs", lambda s: lower_onnx_graph_inputs(s.model, s.low),
+         when=lambda s: not s.keep_io_types, when_says="when keep_io_types=False"),
+    Pass("sort", lambda s: sort_nodes(s.model)),
+), check=check_onnx_model)
+
+
 def run_export_pipeline(model: ir.Model, low: ir.DataType, keep_io_types: bool) -> dict:
-    """The ONNX passes an exported graph needs; its precisions were decided by convert()."""
-    steps = (
-        lambda: unique_onnx_names(model),
-        lambda: unify_onnx_input_types(model),      # torch's fp16-data/fp32-weight norms are not valid ONNX
-        lambda: widen_refused_onnx_nodes(model),    # the few fp16 kernels ONNX Runtime refuses
-        lambda: fold_onnx_casts(model),             # after the casts above: Cast(weight) -> fp16 initializer
-        lambda: lower_onnx_graph_inputs(model, low) if not keep_io_types else PassResult(model, False),
-        lambda: PassResult(model, TopologicalSortPass()(model).modified),
-    )
-    counts: dict[str, int] = {}
-    for step in steps:
-        counts.update(step().counts)
-    return counts
+    """EXPORT_PIPELINE: the ONNX passes an exported graph needs; its precisions were decided by convert()."""
+    return EXPORT_PIPELINE.run(ExportState(model, low, keep_io_types))
 
 
 def export_fp32_reference(model: nn.Module, args: tuple, path, dynamic_shapes=None) -> None:
@@ -111,7 +119,7 @@ def _weights_beyond_fp16(gm: fx.GraphModule) -> tuple[tuple[str, ...], list[str]
         if node.op != "call_function" or node.target not in (amp_cast, amp_module_call) or \
                 node.args[1] != torch.float16 or getattr(node.args[0], "op", None) != "get_attr":
             continue
-        owner = _fetch(gm, node.args[0].target)
+        owner = operator.attrgetter(node.args[0].target)(gm)
         tensors = dict(owner.named_parameters()) if isinstance(owner, nn.Module) else {"": owner}
         for name, tensor in tensors.items():
             peak = _peak(tensor)
@@ -133,13 +141,6 @@ def _peak(tensor) -> float:
     finite = tensor.detach().abs()
     finite = finite[torch.isfinite(finite)]
     return float(finite.max()) if finite.numel() else 0.0
-
-
-def _fetch(gm: fx.GraphModule, target: str):
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def fp32_weight_bytes(model: ir.Model) -> int:

@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from amp_compiler.passes.onnx.canonicalize import all_nodes
 from amp_compiler.passes.onnx.cast_nodes import cast_target, dtype_name, is_cast
+from amp_compiler.passes.runner import count
 
 
 @dataclass
@@ -42,7 +43,7 @@ class OnnxConversionReport:
                  f"nodes: {per}; casts: {self.casts} (source had {self.casts_in_source}); weights: "
                  f"{self.weight_bytes_before / 1e6:.2f} MB -> {self.weight_bytes_after / 1e6:.2f} MB; "
                  f"{self.seconds:.2f} s"]
-        moved = self.pass_counts.get("moved_weights_stored_low", 0)
+        moved = count(self.pass_counts, "moved_weights_stored_low")
         if moved:
             lines.append(f"weights only moved by fp32 ops (embedding tables...): {moved} stored in {self.dtype}, "
                          "their movers run low with one Cast up")

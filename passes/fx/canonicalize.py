@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 # Leaf module classes, most specific first (isinstance order matters for subclasses).
 MODULE_OPS: tuple[tuple[type, str], ...] = (
@@ -113,4 +113,4 @@ def canonicalize(gm: fx.GraphModule) -> PassResult:
         amp = node.meta.setdefault("amp", {})
         amp["op"] = canonical_op(node, gm)
         amp["inplace"] = mutates_first_input(node)
-    return PassResult(gm, modified=False)
+    return PassResult(modified=False)

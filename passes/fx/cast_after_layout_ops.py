@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from amp_compiler.passes.fx.runtime import dtype_name, is_cast
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 LAYOUT_OPS = {"transpose", "permute", "t", "swapaxes", "movedim"}
 
@@ -37,4 +37,4 @@ def cast_after_layout_ops(gm: fx.GraphModule) -> PassResult:
             moved += 1
         if not cast.users:
             graph.erase_node(cast)
-    return PassResult(gm, modified=moved > 0, counts={"casts_moved_after_layout_ops": moved})
+    return PassResult(modified=moved > 0, counts={"casts_moved_after_layout_ops": moved})

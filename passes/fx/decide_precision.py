@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.painting.paint_precision import PAINTABLE, paint_precision
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.policy.rules import PrecisionRules
 
 
@@ -93,4 +93,4 @@ def decide_fx_precision(gm: fx.GraphModule, rules: PrecisionRules) -> PassResult
         else:
             amp["precision"] = None
             amp["rule"] = amp["reason"]
-    return PassResult(gm, modified=False, counts=counts)
+    return PassResult(modified=False, counts=counts)

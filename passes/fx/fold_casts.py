@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from amp_compiler.passes.fx.insert_casts import written_value
 from amp_compiler.passes.fx.runtime import is_cast
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 
 def fold_casts(gm: fx.GraphModule) -> PassResult:
@@ -40,7 +40,7 @@ def fold_casts(gm: fx.GraphModule) -> PassResult:
         if is_cast(node) and not node.users:
             graph.erase_node(node)
             removed += 1
-    return PassResult(gm, modified=removed > 0, counts={"casts_removed": removed})
+    return PassResult(modified=removed > 0, counts={"casts_removed": removed})
 
 
 def count_casts(gm: fx.GraphModule) -> int:

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from amp_compiler.passes.fx.runtime import FLOAT_DTYPES, dtype_name, is_float
 from amp_compiler.passes.policy.op_policy import POLICY
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 METHOD_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
                  "double": torch.float64, "long": torch.int64, "int": torch.int32, "bool": torch.bool}
@@ -125,5 +125,5 @@ def infer_dtypes(gm: fx.GraphModule, example_inputs=None, low: torch.dtype = tor
         amp["dtype"] = dtype
         if "class" not in amp:
             amp["original_dtype"] = dtype
-    return PassResult(gm, modified=False)
+    return PassResult(modified=False)
 

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from amp_compiler.passes.fx.runtime import amp_cast, dtype_name, is_cast, is_float
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 
 def written_value(node: fx.Node) -> fx.Node | None:
@@ -76,7 +76,7 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
             have = value.meta.get("amp", {}).get("dtype")
             if is_float(have) and is_float(original) and have != original:
                 output.replace_input_with(value, cast_of(value, original, output))
-    return PassResult(gm, modified=inserted > 0, counts={"casts_inserted": inserted})
+    return PassResult(modified=inserted > 0, counts={"casts_inserted": inserted})
 
 
 def output_value_nodes(gm: fx.GraphModule) -> list[fx.Node]:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_compiler.passes.fx.runtime import amp_module_call
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 _CONV_T = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
@@ -69,5 +69,5 @@ def lower_leaf_modules(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         changed += 1
-    return PassResult(gm, modified=changed > 0, counts={"leaf_modules_lowered": changed})
+    return PassResult(modified=changed > 0, counts={"leaf_modules_lowered": changed})
 

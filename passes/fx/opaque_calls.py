@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from amp_compiler.passes.fx.runtime import amp_opaque_call, is_float
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 AS_WRITTEN = (None, None)   # (autocast dtype, output dtype): no autocast, outputs as the body returns them
 
@@ -38,4 +38,4 @@ def plan_opaque_calls(gm: fx.GraphModule, low: torch.dtype | None) -> PassResult
         node.meta["amp"]["rule"] = f"opaque ({node.meta.get('amp_opaque', 'not traceable')}): runs {how}, " \
                                    "inputs uncast"
         planned += 1
-    return PassResult(gm, modified=planned > 0, counts={"opaque_calls": planned})
+    return PassResult(modified=planned > 0, counts={"opaque_calls": planned})

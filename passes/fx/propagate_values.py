@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 
 class _Unknown:
@@ -42,8 +42,8 @@ def propagate_values(gm: fx.GraphModule, example_inputs: tuple) -> PassResult:
         lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, example_inputs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(fake_inputs):
-        return PassResult(gm, modified=False, counts={"values_propagated": 0})
+        return PassResult(modified=False, counts={"values_propagated": 0})
     with mode, torch.no_grad():
         _FakePropagator(gm).run(*fake_inputs)
     known = sum("val" in n.meta for n in gm.graph.nodes)
-    return PassResult(gm, modified=False, counts={"values_propagated": known})
+    return PassResult(modified=False, counts={"values_propagated": known})

@@ -17,7 +17,7 @@ import re
 import onnx_ir as ir
 
 from amp_compiler.passes.onnx.spec import subgraphs_of
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 # Default-domain ONNX op type -> canonical op. Every name on the right is a key of passes.op_policy.POLICY
 # (tests/test_onnx_canonicalize.py checks it): no op list is copied here, only spellings.
@@ -110,7 +110,7 @@ def onnx_canonicalize(model: ir.Model) -> PassResult:
     """Record meta["amp"]["op"] and ["module"] on every node, subgraphs included."""
     for node in all_nodes(model.graph):
         node.meta["amp"] = {"op": canonical_onnx_op(node), "module": module_path(node)}
-    return PassResult(model, modified=False)
+    return PassResult(modified=False)
 
 
 def all_nodes(graph: ir.Graph):

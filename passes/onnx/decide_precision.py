@@ -24,7 +24,7 @@ from amp_compiler.passes.onnx.cast_nodes import model_graphs
 from amp_compiler.passes.onnx.spec import (FP16_MAX, input_role, is_float_value, is_onnx_op, low_precision_blocker,
                                      subgraphs_of)
 from amp_compiler.passes.painting.paint_precision import PAINTABLE, paint_precision
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.policy.rules import PrecisionRules
 
 
@@ -61,7 +61,7 @@ def decide_onnx_precision(model: ir.Model, rules: PrecisionRules, low: ir.DataTy
             amp["forced"] = painted["forced"] is not None   # later passes never overturn a forced precision
         else:
             amp["precision"], amp["rule"] = None, amp["reason"]
-    return PassResult(model, modified=False, counts={"nodes_low": counts["low"], "nodes_fp32": counts["fp32"]})
+    return PassResult(modified=False, counts={"low": counts["low"], "fp32": counts["fp32"]})
 
 
 def _build_view(nodes: list[ir.Node], rules: PrecisionRules, blocked: dict, out_of_range: dict) -> nx.DiGraph:

@@ -23,7 +23,7 @@ import onnx_ir as ir
 from amp_compiler.passes.onnx.cast_nodes import UniqueNames, bypass_cast, cast_target, is_cast, model_graphs, set_tensor_dtype
 from amp_compiler.passes.onnx.spec import (CONSTANT_SOURCES, FP16_MAX, cast_pair_folds, is_float_type, is_float_value,
                                      is_onnx_op, tensor_dtype)
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 
 def fold_onnx_casts(model: ir.Model) -> PassResult:
@@ -31,7 +31,7 @@ def fold_onnx_casts(model: ir.Model) -> PassResult:
     graphs = list(model_graphs(model.graph))   # folding never adds or removes a subgraph
     while folder.sweep(graphs) | folder.merge_duplicates(graphs) | folder.remove_dead(graphs):
         pass
-    return PassResult(model, modified=sum(folder.counts.values()) > 0, counts=dict(folder.counts))
+    return PassResult(modified=sum(folder.counts.values()) > 0, counts=dict(folder.counts))
 
 
 class _Folder:

@@ -18,7 +18,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_compiler.passes.onnx.cast_nodes import model_graphs
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 INLINE_TENSOR_MAX_BYTES = 1024   # shape inputs (Reshape, Expand...) stay inline: data propagation reads them
 
@@ -31,7 +31,7 @@ def infer_onnx_types(model: ir.Model, *, verify_rewrite: bool) -> PassResult:
                 _apply(model, _inferred_types(model, strict=False), untyped)
             except Exception:  # noqa: BLE001 - what inference cannot type, painting leaves alone
                 pass
-        return PassResult(model, modified=bool(untyped),
+        return PassResult(modified=bool(untyped),
                           counts={"values_typed": sum(v.type is not None for v in untyped)})
     meant = {v: (v.dtype, v.shape) for v in _node_outputs(model, lambda v: isinstance(v.type, ir.TensorType))}
     for value in meant:
@@ -54,7 +54,7 @@ def infer_onnx_types(model: ir.Model, *, verify_rewrite: bool) -> PassResult:
     for value, (_, shape) in meant.items():
         if value.shape is None:
             value.shape = shape
-    return PassResult(model, modified=True, counts={"values_typed_without_schema": len(untyped)})
+    return PassResult(modified=True, counts={"values_typed_without_schema": len(untyped)})
 
 
 def _node_outputs(model: ir.Model, keep) -> list[ir.Value]:

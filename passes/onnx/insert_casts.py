@@ -22,7 +22,7 @@ from amp_compiler.passes.onnx.cast_nodes import UniqueNames, cast_graph_output, 
 from amp_compiler.passes.onnx.spec import (DTYPE_ATTRIBUTE_FOLLOWS_PRECISION, READS_ANY_FLOAT, follows_precision,
                                      input_role, is_float_type, is_float_value, is_onnx_op, subgraphs_of,
                                      tensor_dtype)
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 
 def insert_onnx_casts(model: ir.Model, low: ir.DataType, keep_io_types: bool = True) -> PassResult:
@@ -30,7 +30,7 @@ def insert_onnx_casts(model: ir.Model, low: ir.DataType, keep_io_types: bool = T
     graph = model.graph
     sources = graph.meta.get("source_output_dtypes") or tuple(tensor_dtype(v) for v in graph.outputs)
     rewrite.graph(graph, output_wants=sources if keep_io_types else (None,) * len(graph.outputs))
-    return PassResult(model, modified=rewrite.casts > 0 or rewrite.attributes > 0,
+    return PassResult(modified=rewrite.casts > 0 or rewrite.attributes > 0,
                       counts={"casts_inserted": rewrite.casts, "dtype_attributes_set": rewrite.attributes})
 
 

@@ -12,7 +12,7 @@ import onnx_ir as ir
 
 from amp_compiler.passes.onnx.cast_nodes import cast_target, is_cast, set_tensor_dtype
 from amp_compiler.passes.onnx.spec import is_float_value
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 
 def lower_onnx_graph_inputs(model: ir.Model, low: ir.DataType) -> PassResult:
@@ -29,4 +29,4 @@ def lower_onnx_graph_inputs(model: ir.Model, low: ir.DataType) -> PassResult:
             cast.outputs[0].replace_all_uses_with(value)
             cast.graph.remove(cast, safe=True)
         lowered += 1
-    return PassResult(model, modified=lowered > 0, counts={"graph_inputs_lowered": lowered})
+    return PassResult(modified=lowered > 0, counts={"graph_inputs_lowered": lowered})

@@ -24,7 +24,7 @@ import onnx_ir as ir
 
 from amp_compiler.passes.onnx.cast_nodes import dtype_name, model_graphs
 from amp_compiler.passes.onnx.spec import input_role, is_float_value
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 MOVER_CLASS, MOVER_FAMILY = "clear", "shape"   # passes/policy/op_policy.py: "moves values without changing them"
 
@@ -40,7 +40,7 @@ def store_moved_onnx_weights_low(model: ir.Model, low: ir.DataType) -> PassResul
                                             "(storage rounding only); one Cast up for its fp32 readers")
             weights += bool(fp32_movers)
             movers += len(fp32_movers)
-    return PassResult(model, modified=weights > 0,
+    return PassResult(modified=weights > 0,
                       counts={"moved_weights_stored_low": weights, "weight_movers_lowered": movers})
 
 

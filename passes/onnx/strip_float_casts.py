@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from amp_compiler.passes.onnx.cast_nodes import bypass_cast, cast_target, is_cast, model_graphs
 from amp_compiler.passes.onnx.spec import is_float_type, is_float_value, tensor_dtype
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 
 def record_source_dtypes(model: ir.Model) -> None:
@@ -35,5 +35,5 @@ def strip_onnx_float_casts(model: ir.Model) -> PassResult:
                     removed += 1
                 else:
                     kept += 1
-    return PassResult(model, modified=removed > 0,
+    return PassResult(modified=removed > 0,
                       counts={"source_float_casts_removed": removed, "source_float_casts_kept": kept})

@@ -18,7 +18,7 @@ import onnx_ir as ir
 from amp_compiler.passes.onnx.canonicalize import all_nodes
 from amp_compiler.passes.onnx.cast_nodes import UniqueNames, make_cast
 from amp_compiler.passes.onnx.spec import is_float_value, schema_input
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 
 def unify_onnx_input_types(model: ir.Model) -> PassResult:
@@ -41,7 +41,7 @@ def unify_onnx_input_types(model: ir.Model) -> PassResult:
                         shared[value, target] = make_cast(value, target, names).outputs[0]
                         cast += 1
                     node.replace_input_with(i, shared[value, target])
-    return PassResult(model, modified=cast > 0, counts={"mixed_dtype_inputs_cast": cast})
+    return PassResult(modified=cast > 0, counts={"mixed_dtype_inputs_cast": cast})
 
 
 def _type_groups(op_type: str, opset: int, arity: int) -> list[list[int]]:

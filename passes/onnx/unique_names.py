@@ -11,7 +11,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from amp_compiler.passes.onnx.cast_nodes import model_graphs
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 
 def unique_onnx_names(model: ir.Model) -> PassResult:
@@ -49,4 +49,4 @@ def unique_onnx_names(model: ir.Model) -> PassResult:
             if new is not None:
                 node.name = new
                 renamed += 1
-    return PassResult(model, modified=renamed > 0, counts={"names_made_unique": renamed})
+    return PassResult(modified=renamed > 0, counts={"names_made_unique": renamed})

@@ -16,7 +16,7 @@ import onnx_ir as ir
 from amp_compiler.passes.onnx.canonicalize import all_nodes
 from amp_compiler.passes.onnx.cast_nodes import UniqueNames, cast_graph_output, make_cast, set_tensor_dtype
 from amp_compiler.passes.onnx.spec import FLOAT_TYPES, input_role, is_float_value, low_precision_blocker
-from amp_compiler.passes.pass_result import PassResult
+from amp_compiler.passes.runner import PassResult
 
 
 def widen_refused_onnx_nodes(model: ir.Model) -> PassResult:
@@ -37,7 +37,7 @@ def widen_refused_onnx_nodes(model: ir.Model) -> PassResult:
             if is_float_value(output) and output.dtype == low:
                 _read_back_in(output, low, names)
         widened += 1
-    return PassResult(model, modified=widened > 0, counts={"refused_nodes_widened": widened})
+    return PassResult(modified=widened > 0, counts={"refused_nodes_widened": widened})
 
 
 def _low_dtype_of(node: ir.Node):
