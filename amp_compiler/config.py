@@ -1,9 +1,7 @@
 """The user's choices for one conversion, validated once: level, dtype, overrides, rules.
 
-Levels follow Apex and MindSpore; keyword overrides win over the level's defaults:
-    O0  no change, no cast            O1  the op policy (allow/infer/deny/clear painting)
-    O2  all low except norms/losses, dynamic loss scaling          O3  all low, no loss scaling
-    auto  O1 with fp16 where CUDA is usable, O1 with bf16 on CPU
+Levels follow Apex and MindSpore (the table: amp_compiler/passes/policy/levels.py); keyword overrides win
+over the level's defaults. "auto" is O1 with fp16 where CUDA is usable, O1 with bf16 on CPU.
 """
 from __future__ import annotations
 
@@ -13,7 +11,8 @@ from typing import Any
 import torch
 
 from amp_compiler.passes.fx.runtime import dtype_name
-from amp_compiler.passes.policy.rules import LEVELS, PrecisionRules
+from amp_compiler.passes.policy.levels import LEVELS, Level
+from amp_compiler.passes.policy.rules import PrecisionRules
 
 LOW_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -31,6 +30,11 @@ class AmpConfig:
     keep_io_types: bool
     loss_scale_manager: Any
     rule_options: dict = field(default_factory=dict)
+
+    @property
+    def level_spec(self) -> Level:
+        """The level's entry in the table: what it paints, re-classifies and defaults to."""
+        return LEVELS[self.level]
 
     @property
     def low_dtype_name(self) -> str:
@@ -73,7 +77,7 @@ def make_config(level: str = "O1", **overrides) -> AmpConfig:
     if not isinstance(keep_io, bool):
         raise ValueError(f"keep_io_types must be True or False, got {keep_io!r}")
     config = AmpConfig(level=level, requested_level=requested, low_dtype=low,
-                       keep_norm_fp32=keep_bn if keep_bn is not None else level != "O3",
+                       keep_norm_fp32=keep_bn if keep_bn is not None else LEVELS[level].keep_norm_fp32,
                        keep_io_types=keep_io, loss_scale_manager=overrides.get("loss_scale_manager"),
                        rule_options={k: overrides[k] for k in RULE_KEYS if k in overrides})
     config.precision_rules()  # validate user rules now, before any tracing

@@ -71,7 +71,7 @@ class FxState:
 
     @property
     def paints(self) -> bool:
-        return self.config.level != "O0"
+        return self.config.level_spec.paints
 
 
 def _original_dtypes(state: FxState) -> PassResult:
@@ -82,7 +82,7 @@ def _original_dtypes(state: FxState) -> PassResult:
 
 def _mark_unchanged(state: FxState) -> PassResult:
     for node in state.gm.graph.nodes:
-        node.meta["amp"].update({"class": "-", "family": "-", "precision": None, "rule": "O0: unchanged"})
+        node.meta["amp"].update({"class": "-", "family": "-", "precision": None, "rule": f"{state.config.level}: unchanged"})
     return PassResult(modified=False)
 
 
@@ -95,7 +95,7 @@ def check_fx_graph(state: FxState) -> None:
     state.gm.graph.lint()
 
 
-_PAINTING = "when the level paints (not O0)"
+_PAINTING = "when the level paints (levels.py; not O0)"
 FX_PIPELINE = Pipeline("fx", (
     Pass("canonicalize", lambda s: canonicalize(s.gm)),
     Pass("propagate_values", lambda s: propagate_values(s.gm, s.example_inputs),   # fake values

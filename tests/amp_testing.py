@@ -5,9 +5,23 @@ from collections import defaultdict
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_compiler.passes.fx.runtime import is_cast
+
+
+class LinearNormNet(nn.Module):
+    """Linear -> softmax -> a transposed copy -> LayerNorm: every kind of pass has work on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.fc(x).softmax(-1).t().contiguous().t())
+
 
 # Error allowed relative to the reference output's magnitude: fp16 keeps 11 bits, bf16 8.
 RELATIVE_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-6}

@@ -1,27 +1,18 @@
 """The pass runner: pipelines print, counts are kept per pass, a failing pass is named, checks run between passes."""
+import importlib
 import traceback
+from pathlib import Path
 
 import onnx
 import pytest
 import torch
-from torch import nn
 
 import amp_compiler
-import importlib
 from amp_compiler.convert import FX_PIPELINE
 from amp_compiler.onnx.convert import ONNX_PIPELINE
 from amp_compiler.onnx.export import EXPORT_PIPELINE
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline, checking_passes, count
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.norm = nn.LayerNorm(8)
-
-    def forward(self, x):
-        return self.norm(self.fc(x).softmax(-1).t().contiguous().t())
+from amp_testing import LinearNormNet
 
 
 def _trace(error: BaseException) -> str:
@@ -44,7 +35,7 @@ def test_a_pipeline_refuses_two_passes_of_one_name():
 
 
 def test_counts_are_kept_per_pass_so_a_repeated_key_is_never_overwritten():
-    gm = amp_compiler.convert(Net(), "O1", example_inputs=(torch.randn(2, 8),))
+    gm = amp_compiler.convert(LinearNormNet(), "O1", example_inputs=(torch.randn(2, 8),))
     counts = gm.meta["amp"]["pass_counts"]
     assert {"infer_dtypes:original", "infer_dtypes:painted", "decide_precision", "insert_casts"} <= set(counts)
     assert counts["decide_precision"]["low"] >= 1 and count(counts, "casts_inserted") >= 1
@@ -57,7 +48,7 @@ def test_a_failing_pass_is_named_in_the_error(monkeypatch):
 
     monkeypatch.setattr(importlib.import_module("amp_compiler.convert"), "fold_casts", broken)
     with pytest.raises(RuntimeError, match="boom") as caught:
-        amp_compiler.convert(Net(), "O1", example_inputs=(torch.randn(2, 8),))
+        amp_compiler.convert(LinearNormNet(), "O1", example_inputs=(torch.randn(2, 8),))
     assert "in pass 'fold_casts' of the fx pipeline" in _trace(caught.value)
 
 
@@ -69,8 +60,8 @@ def test_checks_between_passes_blame_the_pass_that_broke_the_graph():
 
     pipeline = Pipeline("test", (Pass("fine", lambda s: PassResult(False)), Pass("breaks", break_graph)),
                         check=lambda s: s.graph.lint())
-    pipeline.run(torch.fx.symbolic_trace(Net()))          # no checks asked for: nothing is checked
-    gm = torch.fx.symbolic_trace(Net())
+    pipeline.run(torch.fx.symbolic_trace(LinearNormNet()))          # no checks asked for: nothing is checked
+    gm = torch.fx.symbolic_trace(LinearNormNet())
     with checking_passes(), pytest.raises(RuntimeError) as caught:
         pipeline.run(gm)
     assert "in pass 'breaks' of the test pipeline" in _trace(caught.value)
@@ -78,10 +69,16 @@ def test_checks_between_passes_blame_the_pass_that_broke_the_graph():
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_every_pass_keeps_the_invariants_on_fx_and_onnx(level, tmp_path):
-    model, x = Net(), torch.randn(2, 8)
+    model, x = LinearNormNet(), torch.randn(2, 8)
     with checking_passes():
         gm = amp_compiler.convert(model, level, example_inputs=(x,))
         report = amp_compiler.export_onnx(model, (x,), tmp_path / "net.onnx", level)
         converted = amp_compiler.convert_onnx(tmp_path / "net.onnx", tmp_path / "net16.onnx", level, keep_io_types=False)
     assert gm.meta["amp"]["pass_counts"] and report.pass_counts and converted.pass_counts
     onnx.checker.check_model(onnx.load(tmp_path / "net16.onnx"), full_check=True)
+
+
+def test_passes_readme_shows_the_pipelines_as_printed():
+    readme = (Path(__file__).resolve().parents[1] / "passes" / "README.md").read_text()
+    for pipeline in (FX_PIPELINE, ONNX_PIPELINE, EXPORT_PIPELINE):
+        assert str(pipeline) in readme, f"passes/README.md: paste the printed {pipeline.name} pipeline again"

@@ -19,7 +19,9 @@ import sys
 import torch
 from torch import nn
 
-LEVEL_CHOICES_HELP = "O0, O1, O2, O3 or auto (default O1)"
+from amp_compiler.passes.policy.levels import LEVELS
+
+LEVEL_CHOICES_HELP = f"{', '.join(LEVELS)} or auto (default O1)"
 
 
 def add_export_parser(subparsers) -> argparse.ArgumentParser:

@@ -104,7 +104,7 @@ ONNX_PIPELINE = Pipeline("onnx", (
 
 def run_onnx_pipeline(model: ir.Model, config: AmpConfig, *, op_block_list=(), node_block_list=()) -> dict:
     """Run ONNX_PIPELINE on `model` (in place); returns what each pass counted, by pass."""
-    if config.level == "O0":
+    if not config.level_spec.paints:
         return {}
     return ONNX_PIPELINE.run(OnnxState(model, config, tuple(op_block_list), tuple(node_block_list)))
 

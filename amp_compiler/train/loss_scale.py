@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from amp_compiler.passes.policy.levels import level_of
 from amp_compiler.train.bad_steps import BAD_STEP_MAX, BadStepLimit
 from amp_compiler.train.plain_loop import PlainLoopScaling
 
@@ -222,7 +223,7 @@ def default_loss_scale_manager(level: str, dtype: torch.dtype) -> LossScaleManag
     """build_train_network's defaults: O2 scales fp16 dynamically (from TRAIN_STEP_INIT_SCALE); bf16 has
     fp32's range, so its O2 default is scale 1. O0, O1 and O3 have no manager unless one is given (the
     step still skips non-finite updates)."""
-    if level != "O2":
+    if level_of(level).loss_scaling != "dynamic":
         return None
     if dtype == torch.bfloat16:
         return FixedLossScaleManager(1.0, drop_overflow_update=True)

@@ -1,4 +1,4 @@
-"""Decide a precision for every fx node: classify by the rules, paint on a format-neutral view, record.
+"""Decide a precision for every fx node: the shared decide step (passes/painting/decide.py) with an fx adapter.
 
     node.meta["amp"] += {class, family, reason, module, precision: "low"|"fp32"|None, rule}
 
@@ -8,11 +8,10 @@ never cast (integers, bools, fp64, shapes). Reads meta["amp"]["op"] (canonicaliz
 """
 from __future__ import annotations
 
-import networkx as nx
 import torch.fx as fx
 
 from amp_compiler.passes.fx.runtime import is_float
-from amp_compiler.passes.painting.paint_precision import PAINTABLE, paint_precision
+from amp_compiler.passes.painting.decide import decide
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.policy.rules import PrecisionRules
 
@@ -51,46 +50,56 @@ def _out_of_fp16_range(node: fx.Node) -> float | None:
     return None
 
 
-def build_view(gm: fx.GraphModule, rules: PrecisionRules) -> nx.DiGraph:
-    view = nx.DiGraph()
-    for node in gm.graph.nodes:
-        amp = node.meta["amp"]
-        amp["module"] = module_path(node)
+class FxNodes:
+    """The fx side of the decide step (passes/painting/decide.py)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+
+    def nodes(self) -> list[fx.Node]:
+        for node in self.gm.graph.nodes:
+            node.meta["amp"]["module"] = module_path(node)
+        return list(self.gm.graph.nodes)
+
+    def name(self, node: fx.Node) -> str:
+        return node.name
+
+    def meta(self, node: fx.Node) -> dict:
+        return node.meta["amp"]
+
+    def fixed_class(self, node: fx.Node) -> dict | None:
         if node.op in ("placeholder", "get_attr", "output"):
-            amp.update({"class": "io", "family": "io", "reason": "graph input/output/parameter"})
-            continue
-        klass, family, reason = rules.classify(amp["op"])
-        amp.update({"class": klass, "family": family, "reason": reason})
-        if amp.get("inplace") and klass in PAINTABLE:
-            amp["class"], amp["family"] = "ignore", "inplace"
-            amp["reason"] = "in-place op: runs in the dtype of the tensor it writes (a cast would write a copy)"
-        elif klass in PAINTABLE and not _computes_on_floats(node):
-            amp["class"], amp["reason"] = "ignore", "no fp32/fp16/bf16 operand (int, bool or fp64): untouched"
-        if amp["class"] == "ignore":
-            continue
+            return {"class": "io", "family": "io", "reason": "graph input/output/parameter"}
+        return None
+
+    def set_aside(self, node: fx.Node, klass: str) -> tuple[str | None, str] | None:
+        if node.meta["amp"].get("inplace"):
+            return "inplace", "in-place op: runs in the dtype of the tensor it writes (a cast would write a copy)"
+        if not _computes_on_floats(node):
+            return None, "no fp32/fp16/bf16 operand (int, bool or fp64): untouched"
+        return None
+
+    def classified(self) -> None:
+        pass
+
+    def forced(self, node: fx.Node, rules: PrecisionRules) -> tuple[str, str] | None:
+        amp = node.meta["amp"]
         forced = rules.forced(amp["module"], node.name)
         big = _out_of_fp16_range(node) if rules.low_dtype == "float16" and forced is None else None
         if big is not None:
             forced = ("fp32", f"{amp['class']}: reads the constant {big:g}, beyond fp16's 65504: kept fp32")
-        view.add_node(node.name, cls=amp["class"], reason=amp["reason"], forced=forced)
-    for node in gm.graph.nodes:
-        for user in node.users:
-            if node.name in view and user.name in view:
-                view.add_edge(node.name, user.name)
-    return view
+        return forced
 
+    def edges(self):
+        for node in self.gm.graph.nodes:
+            for user in node.users:
+                yield node.name, user.name
 
-def decide_fx_precision(gm: fx.GraphModule, rules: PrecisionRules) -> PassResult:
-    view = build_view(gm, rules)
-    rules.check_all_patterns_matched()
-    counts = paint_precision(view, bf16=rules.low_dtype == "bfloat16")
-    for node in gm.graph.nodes:
-        amp = node.meta["amp"]
-        if node.name in view:
-            amp["precision"] = view.nodes[node.name]["precision"]
-            amp["rule"] = view.nodes[node.name]["rule"]
+    def record(self, node: fx.Node, amp: dict, painted: dict | None, rules: PrecisionRules) -> None:
+        if painted is not None:
             amp["fp32_weights"] = amp["precision"] == "low" and rules.keeps_fp32_weights(amp["op"])
-        else:
-            amp["precision"] = None
-            amp["rule"] = amp["reason"]
-    return PassResult(modified=False, counts=counts)
+
+
+def decide_fx_precision(gm: fx.GraphModule, rules: PrecisionRules, painted=()) -> PassResult:
+    """`painted`: hooks that see the painted view before the precisions are written back."""
+    return PassResult(modified=False, counts=decide(FxNodes(gm), rules, painted))

@@ -15,7 +15,6 @@ Reads meta["amp"]["op"] and ["module"] (onnx_canonicalize) and the value types i
 """
 from __future__ import annotations
 
-import networkx as nx
 import numpy as np
 import onnx_ir as ir
 
@@ -23,70 +22,83 @@ from amp_compiler.passes.onnx.canonicalize import all_nodes
 from amp_compiler.passes.onnx.cast_nodes import model_graphs
 from amp_compiler.passes.onnx.spec import (FP16_MAX, input_role, is_float_value, is_onnx_op, low_precision_blocker,
                                      subgraphs_of)
-from amp_compiler.passes.painting.paint_precision import PAINTABLE, paint_precision
+from amp_compiler.passes.painting.decide import decide
+from amp_compiler.passes.painting.paint_precision import PAINTABLE
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.policy.rules import PrecisionRules
 
 
-def decide_onnx_precision(model: ir.Model, rules: PrecisionRules, low: ir.DataType, *, op_block_list=(),
-                          node_block_list=()) -> PassResult:
-    nodes = list(all_nodes(model.graph))
-    missing = sorted(set(node_block_list) - {n.name for n in nodes})
-    if missing:
-        raise ValueError(f"node_block_list names {missing}, which are not nodes of this model")
-    for node in nodes:
-        amp = node.meta["amp"]
-        amp.update(zip(("class", "family", "reason"), rules.classify(amp["op"])))
-        if amp["class"] in PAINTABLE and not _computes_on_floats(node):
-            amp["class"], amp["reason"] = "ignore", "no fp32/fp16/bf16 operand (int, bool or fp64): untouched"
-        elif amp["class"] in PAINTABLE and _has_untyped_tensor(node):
-            amp["class"], amp["reason"] = "ignore", "type inference cannot type its inputs/outputs: untouched"
-    blocked = _block_lists(nodes, set(op_block_list), set(node_block_list))
-    opset = model.opset_imports.get("", 1)
-    for node in nodes:
-        # deny ops are fp32 anyway: their report keeps the policy's reason
-        why = low_precision_blocker(node, low, opset) if node.meta["amp"]["class"] in ("allow", "infer", "clear") \
-            else None
-        if why:
-            blocked[node] = why + ": kept fp32"
-    out_of_range = _readers_of_out_of_range_constants(model) if rules.low_dtype == "float16" else {}
-    view = _build_view(nodes, rules, blocked, out_of_range)
-    rules.check_all_patterns_matched()
-    counts = paint_precision(view, bf16=rules.low_dtype == "bfloat16")
-    for node in nodes:
-        amp = node.meta["amp"]
-        if node.name in view:
-            painted = view.nodes[node.name]
-            amp["precision"], amp["rule"] = painted["precision"], painted["rule"]
-            amp["forced"] = painted["forced"] is not None   # later passes never overturn a forced precision
-        else:
-            amp["precision"], amp["rule"] = None, amp["reason"]
-    return PassResult(modified=False, counts={"low": counts["low"], "fp32": counts["fp32"]})
+class OnnxNodes:
+    """The ONNX side of the decide step (passes/painting/decide.py)."""
 
+    def __init__(self, model: ir.Model, rules: PrecisionRules, low: ir.DataType, op_block_list=(), node_block_list=()):
+        self.model, self.rules, self.low = model, rules, low
+        self.all = list(all_nodes(model.graph))
+        missing = sorted(set(node_block_list) - {n.name for n in self.all})
+        if missing:
+            raise ValueError(f"node_block_list names {missing}, which are not nodes of this model")
+        self.op_block_list, self.node_block_list = set(op_block_list), set(node_block_list)
+        self.blocked: dict[ir.Node, str] = {}
+        self.out_of_range: dict[ir.Node, str] = {}
 
-def _build_view(nodes: list[ir.Node], rules: PrecisionRules, blocked: dict, out_of_range: dict) -> nx.DiGraph:
-    view = nx.DiGraph()
-    for node in nodes:
-        amp = node.meta["amp"]
-        if amp["class"] not in PAINTABLE:
-            continue
+    def nodes(self) -> list[ir.Node]:
+        return self.all
+
+    def name(self, node: ir.Node) -> str:
+        return node.name
+
+    def meta(self, node: ir.Node) -> dict:
+        return node.meta["amp"]
+
+    def fixed_class(self, node: ir.Node) -> None:
+        return None
+
+    def set_aside(self, node: ir.Node, klass: str) -> tuple[None, str] | None:
+        if not _computes_on_floats(node):
+            return None, "no fp32/fp16/bf16 operand (int, bool or fp64): untouched"
+        if _has_untyped_tensor(node):
+            return None, "type inference cannot type its inputs/outputs: untouched"
+        return None
+
+    def classified(self) -> None:
+        self.blocked = _block_lists(self.all, self.op_block_list, self.node_block_list)
+        opset = self.model.opset_imports.get("", 1)
+        for node in self.all:
+            # deny ops are fp32 anyway: their report keeps the policy's reason
+            why = low_precision_blocker(node, self.low, opset) \
+                if node.meta["amp"]["class"] in ("allow", "infer", "clear") else None
+            if why:
+                self.blocked[node] = why + ": kept fp32"
+        self.out_of_range = _readers_of_out_of_range_constants(self.model) if self.rules.low_dtype == "float16" else {}
+
+    def forced(self, node: ir.Node, rules: PrecisionRules) -> tuple[str, str] | None:
         # Precedence: what cannot run low and the call's block lists, the user's patterns, the range guard.
-        by_pattern = rules.forced(amp["module"], node.name)
-        if node in blocked:
-            forced = ("fp32", blocked[node])
-        elif by_pattern is not None:
-            forced = by_pattern
-        else:
-            forced = ("fp32", out_of_range[node]) if node in out_of_range else None
-        view.add_node(node.name, cls=amp["class"], reason=amp["reason"], forced=forced)
-    for node in nodes:
-        if node.name not in view:
-            continue
-        for value in _data_inputs(node):
-            producer = value.producer()
-            if producer is not None and producer.name in view:
-                view.add_edge(producer.name, node.name)
-    return view
+        by_pattern = rules.forced(node.meta["amp"]["module"], node.name)
+        if node in self.blocked:
+            return "fp32", self.blocked[node]
+        if by_pattern is not None:
+            return by_pattern
+        return ("fp32", self.out_of_range[node]) if node in self.out_of_range else None
+
+    def edges(self):
+        for node in self.all:
+            if node.meta["amp"]["class"] not in PAINTABLE:
+                continue
+            for value in _data_inputs(node):
+                producer = value.producer()
+                if producer is not None:
+                    yield producer.name, node.name
+
+    def record(self, node: ir.Node, amp: dict, painted: dict | None, rules: PrecisionRules) -> None:
+        if painted is not None:
+            amp["forced"] = painted["forced"] is not None   # later passes never overturn a forced precision
+
+
+def decide_onnx_precision(model: ir.Model, rules: PrecisionRules, low: ir.DataType, *, op_block_list=(),
+                          node_block_list=(), painted=()) -> PassResult:
+    """`painted`: hooks that see the painted view before the precisions are written back."""
+    counts = decide(OnnxNodes(model, rules, low, op_block_list, node_block_list), rules, painted)
+    return PassResult(modified=False, counts=counts)
 
 
 def _data_inputs(node: ir.Node) -> list[ir.Value]:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
+from amp_compiler.passes.policy.levels import Level, level_of
 from amp_compiler.passes.policy.op_policy import OpRule, policy_for
 
-LEVELS = ("O0", "O1", "O2", "O3")
-USER_CLASSES = ("allow", "deny", "infer", "clear")
-# Families that O2 keeps in fp32 (Apex keep_batchnorm_fp32, MindSpore's O2), and that losses always keep.
-O2_FP32_FAMILIES = ("norm",)
+# Families that keep_batchnorm_fp32 keeps in fp32 (Apex, MindSpore's O2), and that a level may keep fp32.
+NORM_FAMILIES = ("norm",)
 LOSS_FAMILIES = ("loss",)
 # Norm kernels that take low-precision activations with fp32 weights and accumulate their statistics in
 # fp32 (cuDNN/ATen "mixed" kernels, what Apex's O2 relies on): at O2/O3 with keep_batchnorm_fp32 they
@@ -23,18 +22,18 @@ LOSS_FAMILIES = ("loss",)
 MIXED_KERNEL_NORMS = ("batch_norm", "layer_norm", "group_norm")
 
 
-def _level_class(rule: OpRule, level: str, keep_norm_fp32: bool) -> tuple[str, str]:
-    """Class of one op at one level, with the reason to report."""
-    if level == "O1" or rule.cls not in ("deny", "infer"):
+def _level_class(rule: OpRule, level: Level, keep_norm_fp32: bool) -> tuple[str, str]:
+    """Class of one op at one level (levels.py says what each level re-classifies), with the reason to report."""
+    if rule.cls not in level.lowers:
         return rule.cls, rule.reason
-    if rule.family in LOSS_FAMILIES and level == "O2":
-        return "deny", f"{level}: losses stay fp32 ({rule.reason})"
-    if rule.family in O2_FP32_FAMILIES and keep_norm_fp32:
+    if rule.family in LOSS_FAMILIES and level.keeps_losses_fp32:
+        return "deny", f"{level.name}: losses stay fp32 ({rule.reason})"
+    if rule.family in NORM_FAMILIES and keep_norm_fp32:
         if rule.op in MIXED_KERNEL_NORMS:
-            return "allow", (f"{level}: fp32 weights and statistics on low-precision activations (the kernel "
+            return "allow", (f"{level.name}: fp32 weights and statistics on low-precision activations (the kernel "
                              "accumulates in fp32; keep_batchnorm_fp32=True)")
-        return "deny", f"{level}: norms stay fp32 (keep_batchnorm_fp32=True)"
-    return "allow", f"{level}: everything runs in low precision"
+        return "deny", f"{level.name}: norms stay fp32 (keep_batchnorm_fp32=True)"
+    return "allow", f"{level.name}: everything runs in low precision"
 
 
 @dataclass
@@ -51,13 +50,12 @@ class PrecisionRules:
     def build(cls, level: str, low_dtype: str, *, keep_norm_fp32: bool | None = None,
               allow_ops=(), deny_ops=(), infer_ops=(), clear_ops=(),
               force_fp32=(), force_low=()) -> "PrecisionRules":
-        if level not in LEVELS:
-            raise ValueError(f"level must be one of {', '.join(LEVELS)} or 'auto', got {level!r}")
+        spec = level_of(level)
         if keep_norm_fp32 is None:
-            keep_norm_fp32 = level != "O3"
+            keep_norm_fp32 = spec.keep_norm_fp32
         table = {}
         for op, rule in policy_for(low_dtype).items():
-            klass, reason = _level_class(rule, level, keep_norm_fp32)
+            klass, reason = _level_class(rule, spec, keep_norm_fp32)
             table[op] = (klass, rule.family, reason)
         user_lists = {"allow": allow_ops, "deny": deny_ops, "infer": infer_ops, "clear": clear_ops}
         seen: dict[str, str] = {}
@@ -81,8 +79,8 @@ class PrecisionRules:
         return "deny", "unknown", f"unknown op {op!r}: kept fp32 (add it to allow_ops/infer_ops/clear_ops)"
 
     def keeps_fp32_weights(self, op: str) -> bool:
-        """Whether a low-precision `op` reads its weights in fp32 (a mixed norm kernel at O2/O3)."""
-        return self.level in ("O2", "O3") and self.keep_norm_fp32 and op in MIXED_KERNEL_NORMS
+        """Whether a low-precision `op` reads its weights in fp32 (a mixed norm kernel, where the level lowers norms)."""
+        return bool(level_of(self.level).lowers) and self.keep_norm_fp32 and op in MIXED_KERNEL_NORMS
 
     def forced(self, module_path: str, node_name: str) -> tuple[str, str] | None:
         """('fp32'|'low', rule text) when a force_* pattern names this node or a module around it."""

@@ -1,0 +1,73 @@
+"""The levels are one data table (amp_compiler/passes/policy/levels.py): every level-dependent choice reads it."""
+import dataclasses
+
+import onnx
+import pytest
+import torch
+
+import amp_compiler
+from amp_compiler.config import make_config
+from amp_compiler.passes.fx.runtime import is_cast
+from amp_compiler.passes.policy import levels
+from amp_compiler.passes.policy.levels import LEVELS, Level
+from amp_compiler.passes.policy.rules import PrecisionRules
+from amp_compiler.train.loss_scale import DynamicLossScaleManager, default_loss_scale_manager
+from amp_testing import LinearNormNet
+
+
+def _float_types(path) -> set[int]:
+    model = onnx.load(path)
+    values = [*model.graph.input, *model.graph.output, *model.graph.value_info]
+    return {v.type.tensor_type.elem_type for v in values} | {t.data_type for t in model.graph.initializer}
+
+
+def test_o0_keeps_every_op_in_its_policy_class():
+    # The trap this table removed: O0 used to classify softmax, exp and cross_entropy as "allow".
+    o0, o1 = PrecisionRules.build("O0", "float16"), PrecisionRules.build("O1", "float16")
+    for op in ("softmax", "exp", "cross_entropy", "linear"):
+        assert o0.classify(op) == o1.classify(op)
+    assert o0.classify("softmax")[0] == "deny"
+
+
+def test_o0_paints_nothing_on_fx_and_onnx(tmp_path):
+    model, x = LinearNormNet(), torch.randn(2, 8)
+    gm = amp_compiler.convert(model, "O0", example_inputs=(x,))
+    assert not any(is_cast(n) for n in gm.graph.nodes)
+    assert all(n.meta["amp"]["precision"] is None for n in gm.graph.nodes)
+
+    amp_compiler.export_onnx(model, (x,), tmp_path / "o0.onnx", "O0")
+    assert onnx.TensorProto.FLOAT16 not in _float_types(tmp_path / "o0.onnx")
+    torch.onnx.export(model.eval(), (x,), tmp_path / "fp32.onnx", dynamo=True, verbose=False)
+    report = amp_compiler.convert_onnx(tmp_path / "fp32.onnx", tmp_path / "out.onnx", "O0")
+    assert report.pass_counts == {} and report.casts == 0
+    assert onnx.TensorProto.FLOAT16 not in _float_types(tmp_path / "out.onnx")
+
+
+def test_a_new_level_is_one_entry(monkeypatch):
+    # A level that paints like O2 but keeps norms low and scales no loss: only the table says so.
+    monkeypatch.setitem(LEVELS, "O2x", dataclasses.replace(LEVELS["O2"], name="O2x", keep_norm_fp32=False,
+                                                          loss_scaling=None))
+    config = make_config("O2x")
+    assert config.keep_norm_fp32 is False and config.level_spec.paints
+    rules = config.precision_rules()
+    assert rules.classify("layer_norm")[0] == "allow" and rules.classify("cross_entropy")[0] == "deny"
+    assert default_loss_scale_manager("O2x", torch.float16) is None
+    assert isinstance(default_loss_scale_manager("O2", torch.float16), DynamicLossScaleManager)
+    monkeypatch.setitem(LEVELS, "Ox", Level("Ox", "paints nothing", paints=False, lowers=(), keeps_losses_fp32=True,
+                                            keep_norm_fp32=True, loss_scaling=None))
+    gm = amp_compiler.convert(LinearNormNet(), "Ox", example_inputs=(torch.randn(2, 8),))
+    assert not any(is_cast(n) for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("name", list(LEVELS))
+def test_every_level_reads_its_entry(name):
+    level = LEVELS[name]
+    config = make_config(name)
+    assert config.level_spec is level and config.keep_norm_fp32 == level.keep_norm_fp32
+    rules = config.precision_rules()
+    lowered = rules.classify("softmax")[0] == "allow"
+    assert lowered == ("deny" in level.lowers)
+    assert (rules.classify("cross_entropy")[0] == "deny") == (not level.lowers or level.keeps_losses_fp32)
+    assert (default_loss_scale_manager(name, torch.float16) is not None) == (level.loss_scaling == "dynamic")
+    assert level.master_weights == "fp32"
+    assert levels.level_of(name) is level
