@@ -366,6 +366,43 @@ def test_a_model_whose_own_forward_cannot_be_captured_converts_its_children():
         convert(model, "O1")
 
 
+class LowTranspose(nn.Module):
+    """A transpose between two low matmuls (timm Twins' windows): no cast to fix the layout there."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc1(x)
+        return self.fc2(y.reshape(x.shape[0], x.shape[1], 2, 4).transpose(1, 2))
+
+
+def _matmul_input_contiguity(gm, x) -> list:
+    seen = []
+
+    class Strides(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("addmm", "mm", "bmm"):
+                seen.append(args[1].is_contiguous() if func.overloadpacket.__name__ == "addmm"
+                            else args[0].is_contiguous())
+            return func(*args, **(kwargs or {}))
+
+    with Strides():
+        gm(x)
+    return seen
+
+
+def test_a_low_transpose_feeding_a_matmul_gets_a_row_major_copy():
+    torch.manual_seed(0)
+    model, x = LowTranspose(), torch.randn(2, 5, 8)
+    gm = convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,))
+    assert gm.meta["amp"]["pass_counts"]["cast_after_layout_ops"]["contiguous_copies"] == 1
+    assert all(_matmul_input_contiguity(gm, x))
+    assert (gm(x) - model(x)).abs().max() < 5e-2
+    verify(gm, x)
+
+
 def test_amp_cast_after_transpose_writes_a_contiguous_copy():
     class Transposed(nn.Module):
         def __init__(self):
