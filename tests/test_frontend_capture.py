@@ -361,7 +361,7 @@ def test_a_model_whose_own_forward_cannot_be_captured_converts_its_children():
     assert converted.meta["amp"]["frontend"] == "as written, children converted"
     assert sorted(converted.state_dict()) == sorted(model.state_dict())
     assert (converted(images) - model(images)).abs().max() < 5e-2 * model(images).abs().max()
-    assert "backbone.1" in str(explain(converted)) or "backbone" in str(explain(converted))
+    assert "backbone" in str(explain(converted))
     with pytest.raises(TracingError):    # without example inputs: the error says to give them
         convert(model, "O1")
 

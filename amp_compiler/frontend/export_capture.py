@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.frontend.errors import TracingError, user_frame
+from amp_compiler.frontend.function_apply import intercepted_function_apply
 from amp_compiler.frontend.module_tree import graph_module_on
 from amp_compiler.passes.fx.runtime import dropout_p_when_training   # generated code calls it: see runtime.py
 
@@ -82,20 +83,15 @@ def _shape_notes(graph: fx.Graph) -> list[str]:
 @contextlib.contextmanager
 def _custom_functions_recorded():
     """The user-defined autograd.Functions the model calls during export."""
-    function_cls = torch.autograd.Function
-    original = function_cls.__dict__["apply"]
     seen: set[str] = set()
 
-    def apply(cls, *args, **kwargs):
+    def record(cls, apply, args, kwargs):
         if not cls.__module__.startswith("torch."):
             seen.add(f"{cls.__module__}.{cls.__qualname__}")
-        return original.__func__(cls, *args, **kwargs)
+        return apply(*args, **kwargs)
 
-    function_cls.apply = classmethod(apply)
-    try:
+    with intercepted_function_apply(record):
         yield seen
-    finally:
-        function_cls.apply = original
 
 
 class TrainingFlag(nn.Module):

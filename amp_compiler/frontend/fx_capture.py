@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from unittest import mock
 
 import torch
 import torch.fx as fx
 import torch.fx._symbolic_trace as fx_trace
+from torch.fx._symbolic_trace import _find_proxy
 from torch import nn
 
 from amp_compiler.frontend.errors import user_frame
+from amp_compiler.frontend.function_apply import intercepted_function_apply
 from amp_compiler.passes.fx.canonicalize import LEAF_MODULE_TYPES
 from amp_compiler.passes.fx.opaque_calls import AS_WRITTEN
 from amp_compiler.passes.fx.runtime import amp_opaque_call
@@ -117,7 +120,7 @@ def _functions_traced_into(tracer: AmpTracer):
         original = frame[name]
 
         def attempt(*args, _fn=original, _name=name, **kwargs):
-            if not _has_proxy((args, kwargs)):
+            if _find_proxy(args, kwargs) is None:
                 return _fn(*args, **kwargs)
             return tracer._try_or_opaque(lambda: _fn(*args, **kwargs), _fn, f"{_fn.__module__}.{_name}",
                                          args, kwargs)
@@ -133,27 +136,17 @@ def _functions_traced_into(tracer: AmpTracer):
             frame[name] = original
 
 
-@contextlib.contextmanager
 def _autograd_functions_kept(tracer: AmpTracer):
     """A custom autograd.Function stays one node: fx would inline its forward and lose its backward."""
-    function_cls = torch.autograd.Function
-    original = function_cls.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):
-        if not _has_proxy((args, kwargs)):
-            return original.__func__(cls, *args, **kwargs)
-        bound = original.__get__(None, cls)
+    def keep(cls, apply, args, kwargs):
+        if _find_proxy(args, kwargs) is None:
+            return apply(*args, **kwargs)
         why = f"custom autograd.Function {cls.__qualname__}: kept whole so its own backward runs"
-        return tracer.opaque_call(bound, f"{cls.__module__}.{cls.__qualname__}", why, args, kwargs)
+        return tracer.opaque_call(apply, f"{cls.__module__}.{cls.__qualname__}", why, args, kwargs)
 
-    function_cls.apply = classmethod(apply)
-    try:
-        yield
-    finally:
-        function_cls.apply = original
+    return intercepted_function_apply(keep)
 
 
-@contextlib.contextmanager
 def _checkpoints_kept(tracer: AmpTracer):
     """torch.utils.checkpoint of a submodule stays one opaque node, so it still recomputes in backward
     (traced into, its ops would be inlined: right gradients, no memory saved)."""
@@ -163,17 +156,13 @@ def _checkpoints_kept(tracer: AmpTracer):
     def checkpoint(function, *args, **kwargs):
         module = getattr(function, "__self__", function)   # checkpoint(layer, x) or (layer.__call__, x)
         path = _module_path(tracer, module) if isinstance(module, nn.Module) else None
-        if path is None or not _has_proxy((args, kwargs)):
+        if path is None or _find_proxy(args, kwargs) is None:
             return original(function, *args, **kwargs)
         callee = tracer.create_proxy("get_attr", path, (), {})
         why = "torch.utils.checkpoint: kept whole so it recomputes in backward"
         return tracer.opaque_call(original, f"checkpoint({path})", why, (callee, *args), kwargs)
 
-    checkpoint_module.checkpoint = checkpoint
-    try:
-        yield
-    finally:
-        checkpoint_module.checkpoint = original
+    return mock.patch.object(checkpoint_module, "checkpoint", checkpoint)
 
 
 def _module_path(tracer: AmpTracer, module: nn.Module) -> str | None:
@@ -181,12 +170,6 @@ def _module_path(tracer: AmpTracer, module: nn.Module) -> str | None:
         return tracer.path_of_module(module)
     except NameError:
         return None
-
-
-def _has_proxy(values) -> bool:
-    found = []
-    fx.node.map_aggregate(values, lambda v: found.append(v) if isinstance(v, fx.Proxy) else None)
-    return bool(found)
 
 
 def restore_output_type(graph: fx.Graph, spec) -> bool:
