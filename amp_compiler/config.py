@@ -70,14 +70,14 @@ def make_config(level: str = "O1", **overrides) -> AmpConfig:
         if dtype_given is None:
             dtype_given = torch.float16 if torch.cuda.is_available() else torch.bfloat16
     low = resolve_dtype(dtype_given if dtype_given is not None else torch.float16)
-    keep_bn = overrides.get("keep_batchnorm_fp32")
-    if keep_bn is not None and not isinstance(keep_bn, bool):
-        raise ValueError(f"keep_batchnorm_fp32 must be True, False or None, got {keep_bn!r}")
+    keep_norms = overrides.get("keep_batchnorm_fp32")
+    if keep_norms is not None and not isinstance(keep_norms, bool):
+        raise ValueError(f"keep_batchnorm_fp32 must be True, False or None, got {keep_norms!r}")
     keep_io = overrides.get("keep_io_types", True)
     if not isinstance(keep_io, bool):
         raise ValueError(f"keep_io_types must be True or False, got {keep_io!r}")
     config = AmpConfig(level=level, requested_level=requested, low_dtype=low,
-                       keep_norm_fp32=keep_bn if keep_bn is not None else LEVELS[level].keep_norm_fp32,
+                       keep_norm_fp32=keep_norms if keep_norms is not None else LEVELS[level].keep_norm_fp32,
                        keep_io_types=keep_io, loss_scale_manager=overrides.get("loss_scale_manager"),
                        rule_options={k: overrides[k] for k in RULE_KEYS if k in overrides})
     config.precision_rules()  # validate user rules now, before any tracing

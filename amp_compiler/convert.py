@@ -27,6 +27,7 @@ from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
 from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
 from amp_compiler.passes.fx.propagate_values import propagate_values
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline
+from amp_compiler.passes.node_facts import facts
 
 
 def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None = None,
@@ -76,13 +77,13 @@ class FxState:
 
 def _original_dtypes(state: FxState) -> PassResult:
     result = infer_dtypes(state.gm, state.example_inputs, state.low)   # what is float, what we return
-    state.original_outputs = [n.meta["amp"]["dtype"] for n in output_value_nodes(state.gm)]
+    state.original_outputs = [facts(n)["dtype"] for n in output_value_nodes(state.gm)]
     return result
 
 
 def _mark_unchanged(state: FxState) -> PassResult:
     for node in state.gm.graph.nodes:
-        node.meta["amp"].update({"class": "-", "family": "-", "precision": None, "rule": f"{state.config.level}: unchanged"})
+        facts(node).update({"class": "-", "family": "-", "precision": None, "rule": f"{state.config.level}: unchanged"})
     return PassResult(modified=False)
 
 

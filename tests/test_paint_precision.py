@@ -8,7 +8,7 @@ from amp_compiler.passes.painting.paint_precision import paint_precision
 def view(nodes: dict[str, str], edges: list[tuple[str, str]], forced=None) -> nx.DiGraph:
     graph = nx.DiGraph()
     for name, cls in nodes.items():
-        graph.add_node(name, cls=cls, reason=f"{cls} op", forced=(forced or {}).get(name))
+        graph.add_node(name, op_class=cls, reason=f"{cls} op", forced=(forced or {}).get(name))
     graph.add_edges_from(edges)
     return graph
 

@@ -58,9 +58,9 @@ def test_random_models_are_valid_and_close_to_fp32(codes, dtype, level, seed):
     painted = precision_by_op(gm)
     if level == "O1":  # the table decides: allow ops low, deny ops fp32
         for op, precisions in painted.items():
-            if op in POLICY and POLICY[op].cls == "allow":
+            if op in POLICY and POLICY[op].op_class == "allow":
                 assert precisions == {"low"}, op
-            if op in POLICY and POLICY[op].cls == "deny":
+            if op in POLICY and POLICY[op].op_class == "deny":
                 assert precisions == {"fp32"}, op
     if level == "O3":  # every computing op is low; data movement may stay with fp32 inputs
         for node in gm.graph.nodes:

@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.insight.graph_decisions import graph_summary, is_cast, module_of
+from amp_compiler.passes.node_facts import facts
 
 MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23}
 DEFAULT_RTOL = {"float16": 1e-2, "bfloat16": 5e-2}
@@ -119,7 +120,7 @@ class _Recorder(fx.Interpreter):
     def run_node(self, node: fx.Node):
         if self.fp32 and is_cast(node):
             result = self.env[node.args[0]] if isinstance(node.args[0], fx.Node) else node.args[0]
-        elif self.fp32 and node.meta.get("amp", {}).get("family") == "opaque":
+        elif self.fp32 and facts(node).get("family") == "opaque":
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             result = node.target(args[0], (None, None), *args[2:], **kwargs)   # as written: no autocast
         else:
@@ -150,7 +151,7 @@ def _node_error(node, candidate: torch.Tensor, reference: torch.Tensor, low: str
         non_finite = int((~a.isfinite() & b.isfinite()).sum())
     ulp = 2.0 ** (math.floor(math.log2(scale)) - MANTISSA_BITS.get(low, 10)) if scale > 0 else math.inf
     relative = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    amp = node.meta.get("amp", {}) if node is not None else {}
+    amp = facts(node) if node is not None else {}
     return NodeError(name or node.name, amp.get("op", "output"), module_of(node) if node is not None else "",
                      str(candidate.dtype).removeprefix("torch."), tuple(candidate.shape), max_abs, relative,
                      max_abs / ulp if max_abs else 0.0, non_finite,

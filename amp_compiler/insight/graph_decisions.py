@@ -1,6 +1,6 @@
 """The decisions a converted graph carries, read back from node.meta only.
 
-The passes write node.meta["amp"] (op, class, rule, precision "low"/"fp32"/None, dtype) on every node
+The passes write facts(node) (op, class, rule, precision "low"/"fp32"/None, dtype) on every node
 and node.meta["amp_role"] = "cast" on the casts they insert; convert() writes gm.meta["amp"]. The
 report, the picture and compare() all read that record through this module, and import no pass, so
 they keep working whatever the passes become.
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.fx as fx
+from amp_compiler.passes.node_facts import facts
 
 SAVED_ATTRIBUTE = "_amp_saved_decisions"
 NOT_CONVERTED = "needs a GraphModule returned by amp_compiler.convert()"
@@ -37,12 +38,12 @@ def precision_of(node: fx.Node) -> str:
     """"low", "fp32", "cast" or "untouched" (no float value to decide on: shapes, ints, lookups)."""
     if is_cast(node):
         return "cast"
-    return node.meta.get("amp", {}).get("precision") or "untouched"
+    return facts(node).get("precision") or "untouched"
 
 
 def computed_dtype(node: fx.Node, low: str) -> str:
     """The dtype a node computes in, as the report prints it ("-" where untouched)."""
-    amp = node.meta.get("amp", {})
+    amp = facts(node)
     if is_cast(node):
         return dtype_name(amp.get("dtype"))
     return {"low": low, "fp32": "float32"}.get(amp.get("precision"), "-")
@@ -50,7 +51,7 @@ def computed_dtype(node: fx.Node, low: str) -> str:
 
 def module_of(node: fx.Node) -> str:
     """The module path a node belongs to; a weight cast (no module of its own) goes with its reader."""
-    module = node.meta.get("amp", {}).get("module") or ""      # O0 graphs record none
+    module = facts(node).get("module") or ""      # O0 graphs record none
     if not module and is_cast(node):
         for user in node.users:
             return module_of(user)
@@ -80,7 +81,7 @@ def graph_summary(gm) -> dict:
 
 def preserve_decisions(gm: fx.GraphModule) -> None:
     """Keep the record through torch.save/torch.load (call it last: later graph edits are not tracked)."""
-    nodes = [(node.op, node.meta.get("amp", {}), node.meta.get("amp_role")) for node in gm.graph.nodes]
+    nodes = [(node.op, facts(node), node.meta.get("amp_role")) for node in gm.graph.nodes]
     setattr(gm, SAVED_ATTRIBUTE, {"summary": gm.meta["amp"], "nodes": nodes})
 
 
@@ -124,7 +125,7 @@ def connected(items: list, inputs_of) -> list[list]:
 
 
 def _island(nodes: list[fx.Node]) -> Island:
-    amp = [node.meta["amp"] for node in nodes]
+    amp = [facts(node) for node in nodes]
     # infer/clear nodes are fp32 because of a neighbour; the first node with a reason of its own seeded it
     seed = next((i for i, a in enumerate(amp) if a.get("class") not in ("infer", "clear")), 0)
     modules = [module_of(n) for n in nodes]

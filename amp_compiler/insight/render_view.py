@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from amp_compiler.insight.graph_decisions import computed_dtype, fp32_islands, graph_summary, module_of, precision_of
+from amp_compiler.passes.node_facts import facts
 
 IO_OPS = ("placeholder", "output")
 
@@ -51,7 +52,7 @@ def _add_graph(view: dict, gm: fx.GraphModule, low: str, prefix: str, rules: Int
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             continue
-        amp = node.meta.get("amp", {})
+        amp = facts(node)
         precision = precision_of(node)
         kind = "io" if node.op in IO_OPS else "cast" if precision == "cast" else \
             "opaque" if amp.get("family") == "opaque" else "op"

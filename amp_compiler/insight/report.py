@@ -26,6 +26,7 @@ import torch.fx as fx
 from amp_compiler.insight.graph_decisions import (computed_dtype, fp32_islands, graph_summary, is_cast, is_shown,
                                           module_of, precision_of)
 from amp_compiler.insight.report_text import WIDTH, module_table, summarise_paths, wrapped
+from amp_compiler.passes.node_facts import facts
 
 PRECISIONS = ("low", "fp32", "cast", "untouched")
 TABLE_COLUMNS = ["node", "where", "op", "dtype", "rule"]
@@ -113,7 +114,7 @@ def _explain_graph(gm: fx.GraphModule, summary: dict) -> PrecisionReport:
     for node in gm.graph.nodes:
         if not is_shown(node):
             continue
-        amp = node.meta.get("amp", {})
+        amp = facts(node)
         rows.append({"node": node.name, "module": module_of(node), "op": amp.get("op", "?"),
                      "class": amp.get("class", "-"), "family": amp.get("family", "-"), "precision": precision_of(node),
                      "dtype": computed_dtype(node, low), "rule": amp.get("rule", "")})

@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from amp_compiler.passes.fx.infer_dtypes import value_dtype
 from amp_compiler.passes.fx.runtime import dtype_name
+from amp_compiler.passes.node_facts import facts
 
 
 class DtypeMismatch(AssertionError):
@@ -21,10 +22,10 @@ class DtypeMismatch(AssertionError):
 class _Checker(fx.Interpreter):
     def run_node(self, node: fx.Node):
         value = super().run_node(node)
-        expected = node.meta.get("amp", {}).get("dtype")
+        expected = facts(node).get("dtype")
         actual = value_dtype(value)
         if node.op not in ("output",) and expected is not None and actual is not None and actual != expected:
-            amp = node.meta["amp"]
+            amp = facts(node)
             raise DtypeMismatch(
                 f"node {node.name} ({amp.get('op')}, module {amp.get('module') or '-'}) computed "
                 f"{dtype_name(actual)} but the passes recorded {dtype_name(expected)} "

@@ -36,6 +36,7 @@ from amp_compiler.passes.runner import Pass, Pipeline
 from amp_compiler.passes.onnx.unify_input_types import unify_onnx_input_types
 from amp_compiler.passes.onnx.unique_names import unique_onnx_names
 from amp_compiler.passes.onnx.widen_refused_nodes import widen_refused_onnx_nodes
+from amp_compiler.passes.node_facts import facts
 
 
 def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.float16, keep_io_types: bool = True,
@@ -128,7 +129,7 @@ def _weights_beyond_fp16(gm: fx.GraphModule) -> tuple[tuple[str, ...], list[str]
             readers = [node] if node.target is amp_module_call else list(node.users)
             where = ".".join(p for p in (node.args[0].target, name) if p)
             for reader in readers:
-                pattern = reader.meta.get("amp", {}).get("module") or reader.name
+                pattern = facts(reader).get("module") or reader.name
                 patterns.setdefault(pattern, f"{where} holds |x| up to {peak:.6g} > {FP16_MAX:g} (fp16 max): "
                                              f"{pattern!r} exported in fp32")
     return tuple(patterns), list(patterns.values())

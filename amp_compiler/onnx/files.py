@@ -10,7 +10,6 @@ import os
 
 import onnx_ir as ir
 
-from amp_compiler.passes.onnx.cast_nodes import model_graphs
 from amp_compiler.passes.onnx.spec import is_float_value
 
 # Protobuf cannot serialise 2 GiB; stay well below so graph and attributes fit beside the weights.
@@ -34,7 +33,7 @@ def load_onnx_model(path) -> ir.Model:
 
 def require_float_tensors(model: ir.Model, path) -> None:
     """A conversion needs something to convert: at least one fp32/fp16/bf16 tensor."""
-    for graph in model_graphs(model.graph):
+    for graph in model.graphs():
         values = [*graph.inputs, *graph.outputs, *graph.initializers.values()]
         values += [v for node in graph for v in node.outputs]
         if any(is_float_value(v) for v in values):
@@ -44,7 +43,7 @@ def require_float_tensors(model: ir.Model, path) -> None:
 
 def weight_bytes(model: ir.Model) -> int:
     """Bytes of all initializers, subgraphs included."""
-    return sum(v.const_value.nbytes for graph in model_graphs(model.graph)
+    return sum(v.const_value.nbytes for graph in model.graphs()
                for v in graph.initializers.values() if v.const_value is not None)
 
 
@@ -66,7 +65,7 @@ def save_onnx_model(model: ir.Model, path, *, external_data: bool | None = None)
 
 
 def _tensors(model: ir.Model):
-    for graph in model_graphs(model.graph):
+    for graph in model.graphs():
         for value in graph.initializers.values():
             if value.const_value is not None:
                 yield value

@@ -3,7 +3,7 @@
     call_module Linear | F.linear | Tensor.__matmul__ | aten.linear.default   ->  meta["amp"]["op"] = "linear"
 
 Works on symbolic-trace graphs (nn modules, torch functions, Tensor methods, operators) and on
-torch.export graphs (ATen overloads). Writes node.meta["amp"]["op"]; changes nothing else.
+torch.export graphs (ATen overloads). Writes facts(node)["op"]; changes nothing else.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.passes.runner import PassResult
+from amp_compiler.passes.node_facts import facts
 
 # Leaf module classes, most specific first (isinstance order matters for subclasses).
 MODULE_OPS: tuple[tuple[type, str], ...] = (
@@ -110,7 +111,7 @@ def canonical_op(node: fx.Node, root: nn.Module) -> str:
 def canonicalize(gm: fx.GraphModule) -> PassResult:
     """Record meta["amp"]["op"] and ["inplace"] on every node."""
     for node in gm.graph.nodes:
-        amp = node.meta.setdefault("amp", {})
+        amp = facts(node)
         amp["op"] = canonical_op(node, gm)
         amp["inplace"] = mutates_first_input(node)
     return PassResult(modified=False)

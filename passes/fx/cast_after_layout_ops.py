@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from amp_compiler.passes.fx.runtime import dtype_name, is_cast
 from amp_compiler.passes.runner import PassResult
+from amp_compiler.passes.node_facts import facts
 
 LAYOUT_OPS = {"transpose", "permute", "t", "swapaxes", "movedim"}
 MATMUL_OPS = {"linear", "matmul"}
@@ -24,15 +25,15 @@ def cast_after_layout_ops(gm: fx.GraphModule) -> PassResult:
     graph, moved = gm.graph, 0
     for cast in [n for n in graph.nodes if is_cast(n)]:
         source, dtype = cast.args
-        for view in [u for u in cast.users if u.meta.get("amp", {}).get("op") in LAYOUT_OPS
+        for view in [u for u in cast.users if facts(u).get("op") in LAYOUT_OPS
                      and u.args and u.args[0] is cast and u.op in ("call_function", "call_method")]:
             with graph.inserting_before(view):
                 fp32_view = graph.node_copy(view, lambda n: source if n is cast else n)
                 fp32_view.meta = {**view.meta, "amp": {
-                    **view.meta["amp"], "dtype": source.meta["amp"]["dtype"], "precision": None,
+                    **facts(view), "dtype": facts(source)["dtype"], "precision": None,
                     "rule": "layout op moved before its cast: the cast writes the transposed value row-major"}}
                 new_cast = graph.call_function(cast.target, (fp32_view, dtype), {"contiguous": True})
-            new_cast.meta = {**cast.meta, "amp": {**cast.meta["amp"], "rule": f"boundary: {fp32_view.name} "
+            new_cast.meta = {**cast.meta, "amp": {**facts(cast), "rule": f"boundary: {fp32_view.name} "
                              f"read as {dtype_name(dtype)}, written contiguous"}}
             new_cast.meta["amp_role"] = "cast"
             view.replace_all_uses_with(new_cast)
@@ -47,11 +48,11 @@ def cast_after_layout_ops(gm: fx.GraphModule) -> PassResult:
 
 def _batched_low_layout_input(node: fx.Node) -> fx.Node | None:
     """The transposed, low-precision, 3+-dim first input of a low matmul, else None."""
-    amp = node.meta.get("amp", {})
+    amp = facts(node)
     if amp.get("op") not in MATMUL_OPS or amp.get("precision") != "low" or not node.args:
         return None
     value = node.args[0]
-    if not isinstance(value, fx.Node) or value.meta.get("amp", {}).get("op") not in LAYOUT_OPS:
+    if not isinstance(value, fx.Node) or facts(value).get("op") not in LAYOUT_OPS:
         return None
     fake = value.meta.get("val")
     return value if getattr(fake, "dim", lambda: 0)() >= 3 else None
@@ -66,7 +67,7 @@ def make_matmul_inputs_contiguous(gm: fx.GraphModule) -> int:
         with graph.inserting_before(node):
             copy = graph.call_method("contiguous", (value,))
         copy.meta = {"val": value.meta.get("val"), "amp": {
-            **value.meta["amp"], "op": "contiguous",
+            **facts(value), "op": "contiguous",
             "rule": "row-major copy: a transposed low-precision input sends matmul kernels down a strided path"}}
         node.replace_input_with(value, copy)
         copies += 1

@@ -14,6 +14,7 @@ from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.painting.decide import decide
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.policy.rules import PrecisionRules
+from amp_compiler.passes.node_facts import facts
 
 
 def module_path(node: fx.Node) -> str:
@@ -28,8 +29,8 @@ def module_path(node: fx.Node) -> str:
 
 
 def _computes_on_floats(node: fx.Node) -> bool:
-    return any(is_float(a.meta["amp"].get("dtype")) for a in node.all_input_nodes) or \
-        is_float(node.meta["amp"].get("dtype"))
+    return any(is_float(facts(a).get("dtype")) for a in node.all_input_nodes) or \
+        is_float(facts(node).get("dtype"))
 
 
 FP16_MAX = 65504.0
@@ -43,7 +44,7 @@ def _out_of_fp16_range(node: fx.Node) -> float | None:
     for value in leaves:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if isinstance(value, int) and node.meta["amp"].get("family") == "shape":
+        if isinstance(value, int) and facts(node).get("family") == "shape":
             continue
         if abs(value) > FP16_MAX and abs(value) != float("inf"):
             return value
@@ -58,22 +59,22 @@ class FxNodes:
 
     def nodes(self) -> list[fx.Node]:
         for node in self.gm.graph.nodes:
-            node.meta["amp"]["module"] = module_path(node)
+            facts(node)["module"] = module_path(node)
         return list(self.gm.graph.nodes)
 
     def name(self, node: fx.Node) -> str:
         return node.name
 
     def meta(self, node: fx.Node) -> dict:
-        return node.meta["amp"]
+        return facts(node)
 
     def fixed_class(self, node: fx.Node) -> dict | None:
         if node.op in ("placeholder", "get_attr", "output"):
             return {"class": "io", "family": "io", "reason": "graph input/output/parameter"}
         return None
 
-    def set_aside(self, node: fx.Node, klass: str) -> tuple[str | None, str] | None:
-        if node.meta["amp"].get("inplace"):
+    def set_aside(self, node: fx.Node, op_class: str) -> tuple[str | None, str] | None:
+        if facts(node).get("inplace"):
             return "inplace", "in-place op: runs in the dtype of the tensor it writes (a cast would write a copy)"
         if not _computes_on_floats(node):
             return None, "no fp32/fp16/bf16 operand (int, bool or fp64): untouched"
@@ -83,7 +84,7 @@ class FxNodes:
         pass
 
     def forced(self, node: fx.Node, rules: PrecisionRules) -> tuple[str, str] | None:
-        amp = node.meta["amp"]
+        amp = facts(node)
         forced = rules.forced(amp["module"], node.name)
         big = _out_of_fp16_range(node) if rules.low_dtype == "float16" and forced is None else None
         if big is not None:

@@ -12,6 +12,7 @@ import torch.fx as fx
 from amp_compiler.passes.fx.insert_casts import written_value
 from amp_compiler.passes.fx.runtime import is_cast
 from amp_compiler.passes.runner import PassResult
+from amp_compiler.passes.node_facts import facts
 
 
 def fold_casts(gm: fx.GraphModule) -> PassResult:
@@ -29,7 +30,7 @@ def fold_casts(gm: fx.GraphModule) -> PassResult:
             source = source.args[0]
         if source is not node.args[0]:
             node.args = (source, dtype)
-        source_dtype = source.meta.get("amp", {}).get("dtype")
+        source_dtype = facts(source).get("dtype")
         key = (source, dtype, writes.get(source, 0))
         replacement = source if source_dtype == dtype else seen.get(key)
         if replacement is not None:

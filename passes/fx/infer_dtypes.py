@@ -16,9 +16,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.fx.runtime import FLOAT_DTYPES, dtype_name, is_float
+from amp_compiler.passes.fx.runtime import FLOAT_DTYPES, dtype_name, is_float  # noqa: F401 (FLOAT_DTYPES, dtype_name: names saved modules of the previous release import from here)
 from amp_compiler.passes.policy.op_policy import POLICY
 from amp_compiler.passes.runner import PassResult
+from amp_compiler.passes.node_facts import facts
 
 METHOD_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
                  "double": torch.float64, "long": torch.int64, "int": torch.int32, "bool": torch.bool}
@@ -62,7 +63,7 @@ def value_dtype(value) -> torch.dtype | None:
 
 
 def _call_dtype(gm: fx.GraphModule, node: fx.Node, dtypes: dict, low: torch.dtype) -> torch.dtype | None:
-    amp = node.meta.get("amp", {})
+    amp = facts(node)
     original = amp.get("original_dtype")
     if "class" not in amp:   # before painting: a propagated value is the fact
         if "val" in node.meta:
@@ -72,8 +73,8 @@ def _call_dtype(gm: fx.GraphModule, node: fx.Node, dtypes: dict, low: torch.dtyp
     inputs = [dtypes.get(a) for a in node.all_input_nodes]
     base = POLICY.get(amp.get("op"))  # before painting only the table knows which ops are non-float
     family = amp.get("family", base.family if base else None)
-    cls = amp.get("class", base.cls if base else None)
-    if cls == "ignore":
+    op_class = amp.get("class", base.op_class if base else None)
+    if op_class == "ignore":
         if family == "user_cast":
             explicit = _explicit_dtype(node, dtypes)
             return explicit if explicit is not None else _promote(inputs)
@@ -106,7 +107,7 @@ def infer_dtypes(gm: fx.GraphModule, example_inputs=None, low: torch.dtype = tor
     given = dict(zip(placeholders, example_inputs)) if example_inputs is not None and \
         len(placeholders) == len(example_inputs) else {}
     for node in gm.graph.nodes:
-        amp = node.meta.setdefault("amp", {})
+        amp = facts(node)
         if node.op == "placeholder":
             if "val" in node.meta:
                 dtype = value_dtype(node.meta["val"])

@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.fx.runtime import amp_cast, dtype_name, is_cast, is_float
+from amp_compiler.passes.fx.runtime import amp_cast, dtype_name, is_cast, is_float  # noqa: F401 (is_cast: re-exported for the previous release)
 from amp_compiler.passes.runner import PassResult
+from amp_compiler.passes.node_facts import facts
 
 
 def written_value(node: fx.Node) -> fx.Node | None:
     """The value an in-place op writes (its first argument), else None."""
-    if node.meta.get("amp", {}).get("inplace") and node.args and isinstance(node.args[0], fx.Node):
+    if facts(node).get("inplace") and node.args and isinstance(node.args[0], fx.Node):
         return node.args[0]
     return None
 
@@ -26,7 +27,7 @@ def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, why: str) -> 
     cast = graph.call_function(amp_cast, (value, dtype))
     cast.meta["amp_role"] = "cast"
     cast.meta["amp"] = {"op": "cast", "class": "cast", "precision": None, "dtype": dtype,
-                        "module": value.meta.get("amp", {}).get("module", ""), "rule": why}
+                        "module": facts(value).get("module", ""), "rule": why}
     cast._rename(f"{value.name}_{dtype_name(dtype)}")  # unique within the graph
     return cast
 
@@ -49,12 +50,12 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
         return shared[key]
 
     for node in list(graph.nodes):
-        amp = node.meta.get("amp", {})
+        amp = facts(node)
         target = written_value(node)
         if target is not None:
             writes[target] = writes.get(target, 0) + 1
         if amp.get("family") == "inplace":  # operands follow the written tensor, which is never cast
-            want = target.meta.get("amp", {}).get("dtype") if target is not None else None
+            want = facts(target).get("dtype") if target is not None else None
             operands = [v for v in node.all_input_nodes if v is not target]
         else:
             precision = amp.get("precision")
@@ -65,7 +66,7 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
         if not is_float(want):
             continue
         for value in operands:
-            have = value.meta.get("amp", {}).get("dtype")
+            have = facts(value).get("dtype")
             if is_float(have) and have != want:
                 node.replace_input_with(value, cast_of(value, want, node))
 
@@ -73,7 +74,7 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
         output = next(n for n in graph.nodes if n.op == "output")
         outputs = output_value_nodes(gm)
         for value, original in zip(outputs, original_output_dtypes):
-            have = value.meta.get("amp", {}).get("dtype")
+            have = facts(value).get("dtype")
             if is_float(have) and is_float(original) and have != original:
                 output.replace_input_with(value, cast_of(value, original, output))
     return PassResult(modified=inserted > 0, counts={"casts_inserted": inserted})

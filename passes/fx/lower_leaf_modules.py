@@ -17,6 +17,7 @@ from torch import nn
 
 from amp_compiler.passes.fx.runtime import amp_module_call
 from amp_compiler.passes.runner import PassResult
+from amp_compiler.passes.node_facts import facts
 
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 _CONV_T = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
@@ -50,7 +51,7 @@ def lower_leaf_modules(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
         return getters[target]
 
     for node in list(graph.nodes):
-        if node.op != "call_module" or node.meta.get("amp", {}).get("precision") != "low":
+        if node.op != "call_module" or facts(node).get("precision") != "low":
             continue
         module = gm.get_submodule(node.target)
         if isinstance(module, MIXED_KERNEL_MODULES) or not any(True for _ in module.parameters()):

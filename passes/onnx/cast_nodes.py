@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from amp_compiler.passes.onnx.spec import DTYPE_NAMES, subgraphs_of
+from amp_compiler.passes.onnx.spec import DTYPE_NAMES
 
 
 def is_cast(node: ir.Node) -> bool:
@@ -31,21 +31,13 @@ def set_tensor_dtype(value: ir.Value, dtype: ir.DataType) -> None:
     value.type = ir.TensorType(dtype)
 
 
-def model_graphs(graph: ir.Graph):
-    """`graph` and every subgraph below it, outer graphs first."""
-    yield graph
-    for node in graph:
-        for subgraph in subgraphs_of(node):
-            yield from model_graphs(subgraph)
-
-
 class UniqueNames:
     """Value names and node names in use anywhere in a model (ONNX keeps the two apart); hands out new ones."""
 
     def __init__(self, model: ir.Model):
         self.values: set[str] = set()
         self.nodes: set[str] = set()
-        for graph in model_graphs(model.graph):
+        for graph in model.graphs():
             self.values.update(v.name for v in (*graph.inputs, *graph.initializers.values()) if v.name)
             for node in graph:
                 if node.name:

@@ -19,13 +19,13 @@ import numpy as np
 import onnx_ir as ir
 
 from amp_compiler.passes.onnx.canonicalize import all_nodes
-from amp_compiler.passes.onnx.cast_nodes import model_graphs
 from amp_compiler.passes.onnx.spec import (FP16_MAX, input_role, is_float_value, is_onnx_op, low_precision_blocker,
                                      subgraphs_of)
 from amp_compiler.passes.painting.decide import decide
 from amp_compiler.passes.painting.paint_precision import PAINTABLE
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.policy.rules import PrecisionRules
+from amp_compiler.passes.node_facts import facts
 
 
 class OnnxNodes:
@@ -48,12 +48,12 @@ class OnnxNodes:
         return node.name
 
     def meta(self, node: ir.Node) -> dict:
-        return node.meta["amp"]
+        return facts(node)
 
     def fixed_class(self, node: ir.Node) -> None:
         return None
 
-    def set_aside(self, node: ir.Node, klass: str) -> tuple[None, str] | None:
+    def set_aside(self, node: ir.Node, op_class: str) -> tuple[None, str] | None:
         if not _computes_on_floats(node):
             return None, "no fp32/fp16/bf16 operand (int, bool or fp64): untouched"
         if _has_untyped_tensor(node):
@@ -66,14 +66,14 @@ class OnnxNodes:
         for node in self.all:
             # deny ops are fp32 anyway: their report keeps the policy's reason
             why = low_precision_blocker(node, self.low, opset) \
-                if node.meta["amp"]["class"] in ("allow", "infer", "clear") else None
+                if facts(node)["class"] in ("allow", "infer", "clear") else None
             if why:
                 self.blocked[node] = why + ": kept fp32"
         self.out_of_range = _readers_of_out_of_range_constants(self.model) if self.rules.low_dtype == "float16" else {}
 
     def forced(self, node: ir.Node, rules: PrecisionRules) -> tuple[str, str] | None:
         # Precedence: what cannot run low and the call's block lists, the user's patterns, the range guard.
-        by_pattern = rules.forced(node.meta["amp"]["module"], node.name)
+        by_pattern = rules.forced(facts(node)["module"], node.name)
         if node in self.blocked:
             return "fp32", self.blocked[node]
         if by_pattern is not None:
@@ -82,7 +82,7 @@ class OnnxNodes:
 
     def edges(self):
         for node in self.all:
-            if node.meta["amp"]["class"] not in PAINTABLE:
+            if facts(node)["class"] not in PAINTABLE:
                 continue
             for value in _data_inputs(node):
                 producer = value.producer()
@@ -138,13 +138,13 @@ def _readers_of_out_of_range_constants(model: ir.Model) -> dict[ir.Node, str]:
                 if reader in forced:
                     continue
                 forced[reader] = why
-                if reader.meta["amp"].get("class") == "clear":   # moves values unchanged: follow them
+                if facts(reader).get("class") == "clear":   # moves values unchanged: follow them
                     stack.extend(v for v in reader.outputs if is_float_value(v))
     return forced
 
 
 def _out_of_range_constants(model: ir.Model):
-    for graph in model_graphs(model.graph):
+    for graph in model.graphs():
         candidates = [v for v in graph.initializers.values() if is_float_value(v) and v.const_value is not None]
         candidates += [n.outputs[0] for n in graph if is_onnx_op(n, "Constant", "ConstantOfShape")
                        and is_float_value(n.outputs[0])]

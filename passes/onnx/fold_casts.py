@@ -20,7 +20,7 @@ from collections import Counter
 import numpy as np
 import onnx_ir as ir
 
-from amp_compiler.passes.onnx.cast_nodes import UniqueNames, bypass_cast, cast_target, is_cast, model_graphs, set_tensor_dtype
+from amp_compiler.passes.onnx.cast_nodes import UniqueNames, bypass_cast, cast_target, is_cast, set_tensor_dtype
 from amp_compiler.passes.onnx.spec import (CONSTANT_SOURCES, FP16_MAX, cast_pair_folds, is_float_type, is_float_value,
                                      is_onnx_op, tensor_dtype)
 from amp_compiler.passes.runner import PassResult
@@ -28,7 +28,7 @@ from amp_compiler.passes.runner import PassResult
 
 def fold_onnx_casts(model: ir.Model) -> PassResult:
     folder = _Folder(UniqueNames(model))
-    graphs = list(model_graphs(model.graph))   # folding never adds or removes a subgraph
+    graphs = list(model.graphs())   # folding never adds or removes a subgraph
     while folder.sweep(graphs) | folder.merge_duplicates(graphs) | folder.remove_dead(graphs):
         pass
     return PassResult(modified=sum(folder.counts.values()) > 0, counts=dict(folder.counts))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from amp_compiler.passes.onnx.cast_nodes import model_graphs
 from amp_compiler.passes.runner import PassResult
 
 INLINE_TENSOR_MAX_BYTES = 1024   # shape inputs (Reshape, Expand...) stay inline: data propagation reads them
@@ -60,14 +59,14 @@ def infer_onnx_types(model: ir.Model, *, verify_rewrite: bool) -> PassResult:
 def _node_outputs(model: ir.Model, keep) -> list[ir.Value]:
     """Values produced by nodes that are not graph outputs (those are declarations), in every graph."""
     found = []
-    for graph in model_graphs(model.graph):
+    for graph in model.graphs():
         for node in graph:
             found.extend(v for v in node.outputs if not v.is_graph_output() and keep(v))
     return found
 
 
 def _inferred_types(model: ir.Model, *, strict: bool) -> list[dict[str, onnx.TypeProto]]:
-    """Name -> inferred TypeProto (value_info and graph outputs), one dict per graph in model_graphs order."""
+    """Name -> inferred TypeProto (value_info and graph outputs), one dict per graph in Model.graphs() order."""
     inferred = onnx.shape_inference.infer_shapes(_inference_proto(model), check_type=strict, strict_mode=strict,
                                                  data_prop=True)
     return [{info.name: info.type for info in (*graph.value_info, *graph.output)}
@@ -78,7 +77,7 @@ def _apply(model: ir.Model, inferred: list[dict[str, onnx.TypeProto]], values) -
     """Type `values` as inferred, each looked up in the graph that owns it; graph outputs keep their declared
     type and only gain a shape they did not declare (onnx.checker's full check wants one)."""
     wanted = set(values)
-    for graph, types in zip(model_graphs(model.graph), inferred, strict=True):
+    for graph, types in zip(model.graphs(), inferred, strict=True):
         for node in graph:
             for value in node.outputs:
                 if value in wanted and value.name in types:
@@ -90,7 +89,7 @@ def _apply(model: ir.Model, inferred: list[dict[str, onnx.TypeProto]], values) -
 
 
 def graph_protos(graph: onnx.GraphProto):
-    """`graph` and its subgraphs in model_graphs order (a node's attributes in order, depth first)."""
+    """`graph` and its subgraphs in Model.graphs() order (a node's attributes in order, depth first)."""
     yield graph
     for node in graph.node:
         for attribute in node.attribute:

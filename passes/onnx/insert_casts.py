@@ -12,7 +12,7 @@ the dtype it will have after the rewrite:
     (Shape, comparisons, ArgMax... read any float type as long as their float inputs agree);
   - If branches end in the If's precision; Loop/Scan bodies end in their source dtypes;
   - with keep_io_types the main graph's outputs keep their source dtypes (and names).
-Reads node.meta["amp"]["precision"], node.meta["source_input_dtypes"], graph.meta["source_output_dtypes"].
+Reads facts(node)["precision"], node.meta["source_input_dtypes"], graph.meta["source_output_dtypes"].
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from amp_compiler.passes.onnx.spec import (DTYPE_ATTRIBUTE_FOLLOWS_PRECISION, RE
                                      input_role, is_float_type, is_float_value, is_onnx_op, subgraphs_of,
                                      tensor_dtype)
 from amp_compiler.passes.runner import PassResult
+from amp_compiler.passes.node_facts import facts
 
 
 def insert_onnx_casts(model: ir.Model, low: ir.DataType, keep_io_types: bool = True) -> PassResult:
@@ -83,7 +84,7 @@ class _Rewrite:
         node.replace_input_with(index, self.shared[key])
 
     def _precision(self, node: ir.Node):
-        precision = node.meta.get("amp", {}).get("precision")
+        precision = facts(node).get("precision")
         return None if precision is None else self.low if precision == "low" else ir.DataType.FLOAT
 
     def _subgraph_output_wants(self, node: ir.Node, subgraph: ir.Graph):

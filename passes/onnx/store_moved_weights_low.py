@@ -16,27 +16,28 @@ Movers whose fp32 was forced (block lists, the user's patterns, a constant beyon
 schema or ONNX Runtime cannot run low) keep it: a table above 65504 stays fp32 and exact.
 fold_onnx_casts then stores the weight converted; insert_onnx_casts places the single Cast up, shared by
 the mover's fp32 readers. A converted model qualifies again in the same way, so converting it twice
-changes nothing. Reads and rewrites node.meta["amp"] (precision, rule); counts weights and movers.
+changes nothing. Reads and rewrites facts(node) (precision, rule); counts weights and movers.
 """
 from __future__ import annotations
 
 import onnx_ir as ir
 
-from amp_compiler.passes.onnx.cast_nodes import dtype_name, model_graphs
+from amp_compiler.passes.onnx.cast_nodes import dtype_name
 from amp_compiler.passes.onnx.spec import input_role, is_float_value
 from amp_compiler.passes.runner import PassResult
+from amp_compiler.passes.node_facts import facts
 
 MOVER_CLASS, MOVER_FAMILY = "clear", "shape"   # passes/policy/op_policy.py: "moves values without changing them"
 
 
 def store_moved_onnx_weights_low(model: ir.Model, low: ir.DataType) -> PassResult:
     weights = movers = 0
-    for graph in model_graphs(model.graph):
+    for graph in model.graphs():
         for weight in graph.initializers.values():
             fp32_movers = _fp32_movers_of(weight)
             for node in fp32_movers:
-                node.meta["amp"]["precision"] = "low"
-                node.meta["amp"]["rule"] = (f"clear: only moves weight {weight.name}, stored in {dtype_name(low)} "
+                facts(node)["precision"] = "low"
+                facts(node)["rule"] = (f"clear: only moves weight {weight.name}, stored in {dtype_name(low)} "
                                             "(storage rounding only); one Cast up for its fp32 readers")
             weights += bool(fp32_movers)
             movers += len(fp32_movers)
@@ -52,7 +53,7 @@ def _fp32_movers_of(weight: ir.Value) -> list[ir.Node]:
     movers: dict[ir.Node, None] = {}
     for use in weight.uses():
         node = use.node
-        amp = node.meta.get("amp", {})
+        amp = facts(node)
         if input_role(node, use.idx) != "data":
             return []
         if amp.get("precision") == "low":
@@ -64,7 +65,7 @@ def _fp32_movers_of(weight: ir.Value) -> list[ir.Node]:
 
 
 def _only_moves(node: ir.Node, weight: ir.Value) -> bool:
-    amp = node.meta["amp"]
+    amp = facts(node)
     if (amp.get("class"), amp.get("family")) != (MOVER_CLASS, MOVER_FAMILY):
         return False
     return all(value is weight for i, value in enumerate(node.inputs)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from amp_compiler.passes.onnx.cast_nodes import bypass_cast, cast_target, is_cast, model_graphs
+from amp_compiler.passes.onnx.cast_nodes import bypass_cast, cast_target, is_cast
 from amp_compiler.passes.onnx.spec import is_float_type, is_float_value, tensor_dtype
 from amp_compiler.passes.runner import PassResult
 
 
 def record_source_dtypes(model: ir.Model) -> None:
-    for graph in model_graphs(model.graph):
+    for graph in model.graphs():
         graph.meta["source_output_dtypes"] = tuple(tensor_dtype(v) for v in graph.outputs)
         for node in graph:
             node.meta["source_input_dtypes"] = tuple(tensor_dtype(v) for v in node.inputs)
@@ -28,7 +28,7 @@ def record_source_dtypes(model: ir.Model) -> None:
 def strip_onnx_float_casts(model: ir.Model) -> PassResult:
     record_source_dtypes(model)
     removed = kept = 0
-    for graph in list(model_graphs(model.graph)):
+    for graph in list(model.graphs()):
         for node in list(graph):
             if is_cast(node) and is_float_value(node.inputs[0]) and is_float_type(cast_target(node)):
                 if bypass_cast(node):

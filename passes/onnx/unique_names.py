@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from amp_compiler.passes.onnx.cast_nodes import model_graphs
 from amp_compiler.passes.runner import PassResult
 
 
@@ -31,7 +30,7 @@ def unique_onnx_names(model: ir.Model) -> PassResult:
         used.add(new)
         return new
 
-    for graph in model_graphs(model.graph):
+    for graph in model.graphs():
         values = [*graph.inputs, *graph.initializers.values()] if graph is not model.graph else \
             list(graph.initializers.values())
         for node in graph:

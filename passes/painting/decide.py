@@ -31,7 +31,7 @@ class DecideAdapter(Protocol):
     def name(self, node) -> str: ...
     def meta(self, node) -> dict: ...
     def fixed_class(self, node) -> dict | None: ...              # class/family/reason of a node no rule classifies
-    def set_aside(self, node, klass: str) -> tuple[str, str] | None: ...   # (family or None, reason) -> "ignore"
+    def set_aside(self, node, op_class: str) -> tuple[str, str] | None: ...   # (family or None, reason) -> "ignore"
     def classified(self) -> None: ...                           # every node classified: before forcing
     def forced(self, node, rules: PrecisionRules) -> tuple[str, str] | None: ...
     def edges(self) -> Iterable[tuple[str, str]]: ...           # (producer name, reader name), float values
@@ -59,7 +59,7 @@ def decide(adapter: DecideAdapter, rules: PrecisionRules, painted: Iterable[Pain
     for node in nodes:
         amp = adapter.meta(node)
         if amp["class"] in PAINTABLE:
-            view.add_node(adapter.name(node), cls=amp["class"], reason=amp["reason"], forced=adapter.forced(node, rules))
+            view.add_node(adapter.name(node), op_class=amp["class"], reason=amp["reason"], forced=adapter.forced(node, rules))
     for producer, reader in adapter.edges():
         if producer in view and reader in view:
             view.add_edge(producer, reader)

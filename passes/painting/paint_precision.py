@@ -1,6 +1,6 @@
 """Paint a precision on every float node of a format-neutral view (TensorFlow's AMP painting).
 
-    view: networkx.DiGraph, node attrs  cls in allow/infer/deny/clear, reason, forced=(precision, rule)|None
+    view: networkx.DiGraph, node attrs  op_class in allow/infer/deny/clear, reason, forced=(precision, rule)|None
     ->    node attrs  precision in {"low", "fp32"}, rule (why)
 
 Steps, in order (each later step only paints what earlier steps left):
@@ -23,10 +23,10 @@ FOLLOWERS = ("infer", "clear")
 
 
 def paint_precision(view: nx.DiGraph, *, bf16: bool) -> dict[str, int]:
-    nodes = [n for n, a in view.nodes(data=True) if a["cls"] in PAINTABLE]
+    nodes = [n for n, a in view.nodes(data=True) if a["op_class"] in PAINTABLE]
     # A subgraph view filters every neighbour lookup: walk the view itself when nothing is left out (ONNX).
     graph = view if len(nodes) == view.number_of_nodes() else view.subgraph(nodes)
-    cls = {n: view.nodes[n]["cls"] for n in nodes}
+    op_class = {n: view.nodes[n]["op_class"] for n in nodes}
     precision: dict = {}
     rule: dict = {}
 
@@ -37,20 +37,20 @@ def paint_precision(view: nx.DiGraph, *, bf16: bool) -> dict[str, int]:
         forced = view.nodes[n].get("forced")
         if forced:
             paint(n, *forced)
-        elif cls[n] == "allow":
+        elif op_class[n] == "allow":
             paint(n, LOW, f"allow: {view.nodes[n]['reason']}")
-        elif cls[n] == "deny":
+        elif op_class[n] == "deny":
             paint(n, FP32, f"deny: {view.nodes[n]['reason']}")
 
-    open_followers = lambda n: n not in precision and cls[n] in FOLLOWERS  # noqa: E731
+    open_followers = lambda n: n not in precision and op_class[n] in FOLLOWERS  # noqa: E731
 
     # 4. fp32 forward from deny, only into followers that lead to a deny/infer op.
-    feeds_fragile = _closure(graph, [n for n in nodes if cls[n] in ("deny", "infer")],
+    feeds_fragile = _closure(graph, [n for n in nodes if op_class[n] in ("deny", "infer")],
                              graph.predecessors, open_followers)
-    for src in [n for n in nodes if precision.get(n) == FP32 and cls[n] == "deny"]:
+    for src in [n for n in nodes if precision.get(n) == FP32 and op_class[n] == "deny"]:
         for n in _closure(graph, [src], graph.successors, lambda m: open_followers(m) and m in feeds_fragile):
             if n != src:
-                paint(n, FP32, f"{cls[n]}: fed by fp32 op {src}, leads into an fp32 op")
+                paint(n, FP32, f"{op_class[n]}: fed by fp32 op {src}, leads into an fp32 op")
 
     # 5. close gaps between low ops.
     low = [n for n in nodes if precision.get(n) == LOW]
@@ -58,12 +58,12 @@ def paint_precision(view: nx.DiGraph, *, bf16: bool) -> dict[str, int]:
                & _closure(graph, low, graph.predecessors, open_followers))
     for n in nodes:
         if n in between and n not in precision:
-            paint(n, LOW, f"{cls[n]}: between low-precision ops")
+            paint(n, LOW, f"{op_class[n]}: between low-precision ops")
 
     # 6. bf16: infer ops follow low inputs.
     if bf16:
         for n in nx.topological_sort(graph):
-            if open_followers(n) and cls[n] == "infer":
+            if open_followers(n) and op_class[n] == "infer":
                 inputs = [precision.get(p) for p in graph.predecessors(n)]
                 if LOW in inputs and FP32 not in inputs:
                     paint(n, LOW, "infer: low-precision input, no fp32 input (bf16 cannot overflow)")
@@ -71,7 +71,7 @@ def paint_precision(view: nx.DiGraph, *, bf16: bool) -> dict[str, int]:
     # 7. low spreads through connected clear ops.
     undirected = graph.to_undirected(as_view=True)
     low = [n for n in nodes if precision.get(n) == LOW]
-    for n in _closure(undirected, low, undirected.neighbors, lambda m: m not in precision and cls[m] == "clear"):
+    for n in _closure(undirected, low, undirected.neighbors, lambda m: m not in precision and op_class[m] == "clear"):
         if n not in precision:
             paint(n, LOW, "clear: joined to a low-precision neighbour")
 
@@ -79,7 +79,7 @@ def paint_precision(view: nx.DiGraph, *, bf16: bool) -> dict[str, int]:
                 "clear": "clear: not joined to a low-precision op, so fp32"}
     for n in nodes:  # 8
         if n not in precision:
-            paint(n, FP32, leftover[cls[n]])
+            paint(n, FP32, leftover[op_class[n]])
 
     nx.set_node_attributes(view, precision, "precision")
     nx.set_node_attributes(view, rule, "rule")

@@ -22,13 +22,17 @@ CLASSES = ("allow", "infer", "deny", "clear", "ignore")
 @dataclass(frozen=True)
 class OpRule:
     op: str
-    cls: str
+    op_class: str           # allow | infer | deny | clear | ignore (CLASSES)
     family: str
     reason: str
 
+    @property
+    def cls(self) -> str:   # the previous release's name, kept for one release
+        return self.op_class
 
-def _rules(cls: str, family: str, reason: str, ops: str) -> list[OpRule]:
-    return [OpRule(op, cls, family, reason) for op in ops.split()]
+
+def _rules(op_class: str, family: str, reason: str, ops: str) -> list[OpRule]:
+    return [OpRule(op, op_class, family, reason) for op in ops.split()]
 
 
 _TABLE: list[OpRule] = [
@@ -130,10 +134,10 @@ BF16_OVERLAY = {
 def _build(rules: list[OpRule]) -> MappingProxyType:
     table: dict[str, OpRule] = {}
     for rule in rules:
-        if rule.cls not in CLASSES:
-            raise ValueError(f"op policy: {rule.op!r} has unknown class {rule.cls!r}")
+        if rule.op_class not in CLASSES:
+            raise ValueError(f"op policy: {rule.op!r} has unknown class {rule.op_class!r}")
         if rule.op in table:
-            raise ValueError(f"op policy: {rule.op!r} is listed twice ({table[rule.op].cls}, {rule.cls})")
+            raise ValueError(f"op policy: {rule.op!r} is listed twice ({table[rule.op].op_class}, {rule.op_class})")
         table[rule.op] = rule
     return MappingProxyType(table)
 
@@ -145,11 +149,11 @@ def policy_for(low_dtype_name: str) -> dict[str, OpRule]:
     """The table for one low-precision dtype ("float16" or "bfloat16"), overlay applied."""
     table = dict(POLICY)
     if low_dtype_name == "bfloat16":
-        for op, (cls, reason) in BF16_OVERLAY.items():
-            table[op] = OpRule(op, cls, table[op].family, reason)
+        for op, (op_class, reason) in BF16_OVERLAY.items():
+            table[op] = OpRule(op, op_class, table[op].family, reason)
     return table
 
 
-def default_lists(cls: str, low_dtype_name: str = "float16") -> list[str]:
+def default_lists(op_class: str, low_dtype_name: str = "float16") -> list[str]:
     """Sorted op names of one class, as the seeds' get_white_list()/get_black_list() return."""
-    return sorted(op for op, rule in policy_for(low_dtype_name).items() if rule.cls == cls)
+    return sorted(op for op, rule in policy_for(low_dtype_name).items() if rule.op_class == op_class)

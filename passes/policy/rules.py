@@ -24,8 +24,8 @@ MIXED_KERNEL_NORMS = ("batch_norm", "layer_norm", "group_norm")
 
 def _level_class(rule: OpRule, level: Level, keep_norm_fp32: bool) -> tuple[str, str]:
     """Class of one op at one level (levels.py says what each level re-classifies), with the reason to report."""
-    if rule.cls not in level.lowers:
-        return rule.cls, rule.reason
+    if rule.op_class not in level.lowers:
+        return rule.op_class, rule.reason
     if rule.family in LOSS_FAMILIES and level.keeps_losses_fp32:
         return "deny", f"{level.name}: losses stay fp32 ({rule.reason})"
     if rule.family in NORM_FAMILIES and keep_norm_fp32:
@@ -55,17 +55,17 @@ class PrecisionRules:
             keep_norm_fp32 = spec.keep_norm_fp32
         table = {}
         for op, rule in policy_for(low_dtype).items():
-            klass, reason = _level_class(rule, spec, keep_norm_fp32)
-            table[op] = (klass, rule.family, reason)
+            op_class, reason = _level_class(rule, spec, keep_norm_fp32)
+            table[op] = (op_class, rule.family, reason)
         user_lists = {"allow": allow_ops, "deny": deny_ops, "infer": infer_ops, "clear": clear_ops}
         seen: dict[str, str] = {}
-        for klass, ops in user_lists.items():
-            for op in _as_tuple(ops, f"{klass}_ops"):
-                if op in seen and seen[op] != klass:
-                    raise ValueError(f"op {op!r} is in both {seen[op]}_ops and {klass}_ops: pick one")
-                seen[op] = klass
+        for op_class, ops in user_lists.items():
+            for op in _as_tuple(ops, f"{op_class}_ops"):
+                if op in seen and seen[op] != op_class:
+                    raise ValueError(f"op {op!r} is in both {seen[op]}_ops and {op_class}_ops: pick one")
+                seen[op] = op_class
                 family = table[op][1] if op in table else "user"
-                table[op] = (klass, family, f"user rule: {op} in {klass}_ops")
+                table[op] = (op_class, family, f"user rule: {op} in {op_class}_ops")
         force_fp32, force_low = _as_tuple(force_fp32, "force_fp32"), _as_tuple(force_low, "force_low")
         both = set(force_fp32) & set(force_low)
         if both:

@@ -1,0 +1,37 @@
+"""What a node carries: the one record every pass writes into `node.meta["amp"]` (fx and onnx_ir nodes alike).
+
+    facts(node)["precision"]       # read (an empty record on a node no pass has seen yet)
+    facts(node).update(op="linear")   # write
+
+Keys, the pass that writes each, and what it means:
+"""
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+import torch
+
+NodeFacts = TypedDict("NodeFacts", {
+    "op": str,                # canonicalize: the canonical op name of op_policy ("linear", "softmax", "cast", ...)
+    "inplace": bool,          # canonicalize (fx): the op writes its first operand in place
+    "module": str,            # decide_precision / canonicalize (onnx): the module path that owns the node
+    "dtype": Any,             # infer_dtypes (fx): torch.dtype of the value, None when not a tensor / unknown
+    "class": str,             # decide_precision: allow | infer | deny | clear | ignore | io | cast | opaque ...
+    "family": str,            # decide_precision: the op family of the policy table (matmul, norm, shape, ...)
+    "reason": str,            # decide_precision: the policy table's reason for the class
+    "precision": str | None,  # decide_precision: "low" | "fp32" | None (not painted: ints, shapes, io)
+    "rule": str,              # decide_precision and later rewrites: why the node has its precision, in words
+    "forced": str,            # decide_precision (onnx): which user rule forced the node
+    "fp32_weights": bool,     # decide_precision (fx): a low op that keeps fp32 weights (mixed-kernel norms)
+}, total=False)
+
+ROLE = "amp_role"   # node.meta[ROLE]: "cast" | "loss_scale" | "unscale" | "overflow_check" on nodes the passes add
+
+
+def facts(node) -> NodeFacts:
+    """The node's record, created empty on first use."""
+    return node.meta.setdefault("amp", {})
+
+
+def node_dtype(node) -> torch.dtype | None:
+    return facts(node).get("dtype")
