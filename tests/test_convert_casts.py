@@ -1,0 +1,147 @@
+"""convert(): where casts go: once per value and dtype, never on ints/bools/fp64, never across an in-place write; constants fp16 cannot hold."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from amp_compiler import convert, explain
+from amp_testing import assert_close_to_fp32, cast_nodes
+
+
+def test_parameters_are_cast_where_read_once_per_forward():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return (x @ self.w) @ self.w
+
+    gm = convert(Tied(), "O1")
+    param_casts = [c for c in cast_nodes(gm) if c.args[0].op == "get_attr"]
+    assert len(param_casts) == 1 and len(param_casts[0].users) == 2
+
+
+def test_integer_bool_and_fp64_values_are_never_cast():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("table", torch.randn(4, 4, dtype=torch.float64))
+
+        def forward(self, ids, mask):
+            h = self.fc(self.emb(ids))
+            h = h.masked_fill(mask.unsqueeze(-1), 0.0)
+            return h, self.table @ self.table, ids + 1
+
+    ids, mask = torch.randint(0, 10, (2, 3)), torch.rand(2, 3) > 0.5
+    gm = convert(Mixed(), "O1", example_inputs=(ids, mask))
+    for cast in cast_nodes(gm):
+        assert cast.args[0].meta["amp"]["dtype"] in (torch.float32, torch.float16, torch.bfloat16)
+    out, table, ids_out = gm(ids, mask)
+    assert table.dtype == torch.float64 and ids_out.dtype == torch.int64 and out.dtype == torch.float32
+    fp64_rows = [r for r in explain(gm).rows if r["op"] == "matmul"]
+    assert fp64_rows and all(r["dtype"] == "-" for r in fp64_rows)
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        before = self.fc2(h)          # reads h before the in-place write
+        h.mul_(2)                     # writes h: must not write a cast copy
+        after = torch.softmax(h, -1)  # fp32 reader after the write: a fresh cast
+        return before, after, F.relu(self.fc2(after), inplace=True)
+
+
+def test_in_place_ops_write_the_real_tensor_and_casts_are_not_reused_across_writes():
+    model = InPlace()
+    x = torch.randn(3, 4)
+    gm = convert(model, "O1")
+    rows = {r["node"]: r for r in explain(gm).rows}
+    assert rows["mul_"]["rule"].startswith("in-place op")
+    mul = next(n for n in gm.graph.nodes if n.name == "mul_")
+    assert mul.args[0].op == "call_function" and mul.args[0].meta["amp"]["op"] == "linear"  # not a cast
+    with torch.no_grad():
+        for out, ref in zip(gm(x), model(x)):
+            assert_close_to_fp32(out, ref, torch.float16)
+
+
+def test_a_module_called_twice_has_its_weights_cast_once():
+    gm = convert(InPlace(), "O1")
+    weight_casts = [c for c in cast_nodes(gm) if c.args[0].op == "get_attr" and c.args[0].target == "fc2.weight"]
+    assert len(weight_casts) == 1 and len(weight_casts[0].users) == 2
+
+
+class WriteAfterRead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = x.softmax(-1)
+        y = self.a(h)        # reads h cast to fp16 before the write
+        h.mul_(100.0)
+        return y, self.b(h)  # must read a fresh cast of the written h
+
+
+def test_cast_clean_up_does_not_merge_casts_across_an_in_place_write():
+    model, x = WriteAfterRead(), torch.randn(2, 4)
+    gm = convert(model, "O1")
+    softmax_casts = [c for c in cast_nodes(gm) if c.args[0].name == "softmax"]
+    assert len(softmax_casts) == 2
+    with torch.no_grad():
+        for out, ref in zip(gm(x), model(x)):
+            assert_close_to_fp32(out, ref, torch.float16)
+
+
+def test_dict_inputs_are_cast_inside_the_dict():
+    class TakesDict(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, batch):
+            return self.fc(batch["x"])
+
+    model, batch = TakesDict(), {"x": torch.randn(2, 4)}
+    assert_close_to_fp32(convert(model, "O1")(batch), model(batch), torch.float16)
+
+
+class MaskedScores(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ x.transpose(-1, -2)
+        return scores.masked_fill(mask == 0, -1e9).softmax(-1)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+
+
+def test_constants_beyond_fp16_range_keep_their_op_fp32(level):
+    model, x, mask = MaskedScores(), torch.randn(2, 3, 4), torch.rand(2, 3, 3) > 0.3
+    gm = convert(model, level)
+    assert_close_to_fp32(gm(x, mask), model(x, mask), torch.float16)
+    rule = next(r["rule"] for r in explain(gm).rows if r["op"] == "masked_fill")
+    assert "-1e+09, beyond fp16's 65504" in rule
+    bf16 = convert(model, level, dtype=torch.bfloat16)  # bf16 holds 1e9: no need to keep it fp32
+    assert next(r["dtype"] for r in explain(bf16).rows if r["op"] == "masked_fill") == "bfloat16"
+
+
+def test_float_floor_divide_keeps_the_output_dtype():
+    class FloorDiv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return (self.fc(x) // 0.5).relu()
+
+    assert convert(FloorDiv(), "O1")(torch.randn(2, 4)).dtype == torch.float32
