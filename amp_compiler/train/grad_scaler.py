@@ -14,7 +14,8 @@ when CUDA is missing).
 from __future__ import annotations
 
 from amp_compiler.train.bad_steps import BAD_STEP_MAX
-from amp_compiler.train.loss_scale import DynamicLossScaleManager, _checked_growth, _checked_interval, _checked_scale
+from amp_compiler.train.loss_scale import DynamicLossScaleManager
+from amp_compiler.train.scale_arguments import checked_growth, checked_interval, checked_scale
 
 
 class GradScaler(DynamicLossScaleManager):
@@ -24,9 +25,9 @@ class GradScaler(DynamicLossScaleManager):
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  bad_step_max: int | None = BAD_STEP_MAX) -> None:
         # Checked under GradScaler's names first, so an error names the argument the user passed.
-        _checked_scale(init_scale, "init_scale")
-        _checked_growth(growth_factor, "growth_factor")
-        _checked_interval(growth_interval, "growth_interval")
+        checked_scale(init_scale, "init_scale")
+        checked_growth(growth_factor, "growth_factor")
+        checked_interval(growth_interval, "growth_interval")
         super().__init__(init_scale, growth_factor, growth_interval, backoff_factor=backoff_factor,
                          bad_step_max=bad_step_max, enabled=enabled)
         self.device = device

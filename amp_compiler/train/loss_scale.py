@@ -12,16 +12,15 @@ needs nothing more. Every manager also counts consecutive non-finite steps again
 from __future__ import annotations
 
 import abc
-import math
 
 import torch
 
 from amp_compiler.passes.policy.levels import level_of
 from amp_compiler.train.bad_steps import BAD_STEP_MAX, BadStepLimit
 from amp_compiler.train.plain_loop import PlainLoopScaling
+from amp_compiler.train.scale_arguments import (FP32_MAX, checked_backoff, checked_growth, checked_interval,
+                                               checked_scale)
 
-# The scale is an fp32 tensor inside the step, so it must stay a finite fp32 number.
-FP32_MAX = torch.finfo(torch.float32).max
 # build_train_network's fp16 default starts here rather than at the seeds' 2**24: on the zoo it skips no
 # step where 2**24 skips the first 4-7, and ends at the same or a lower loss (benchmarks/bench_train.py).
 TRAIN_STEP_INIT_SCALE = 2.0 ** 16
@@ -65,7 +64,7 @@ class LossScaleManager(PlainLoopScaling, abc.ABC):
         self._record_outcome(overflow)
 
     def set_loss_scale(self, value: float) -> None:
-        self.loss_scale = _checked_scale(value, "the loss scale")
+        self.loss_scale = checked_scale(value, "the loss scale")
 
     @abc.abstractmethod
     def _follow_rule(self, overflow: bool) -> None:
@@ -118,7 +117,7 @@ class FixedLossScaleManager(LossScaleManager):
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True, *,
                  bad_step_max: int | None = BAD_STEP_MAX, enabled: bool = True) -> None:
         super().__init__(bad_step_max, enabled)
-        self.loss_scale = _checked_scale(loss_scale, "loss_scale")
+        self.loss_scale = checked_scale(loss_scale, "loss_scale")
         if not isinstance(drop_overflow_update, bool):
             raise ValueError(f"drop_overflow_update must be True or False, got {drop_overflow_update!r}")
         self.drop_overflow_update = drop_overflow_update
@@ -152,11 +151,11 @@ class DynamicLossScaleManager(LossScaleManager):
                  backoff_factor: float | None = None, bad_step_max: int | None = BAD_STEP_MAX,
                  enabled: bool = True) -> None:
         super().__init__(bad_step_max, enabled)
-        self.loss_scale = _checked_scale(init_loss_scale, "init_loss_scale")
-        self.scale_factor = _checked_growth(scale_factor, "scale_factor")
+        self.loss_scale = checked_scale(init_loss_scale, "init_loss_scale")
+        self.scale_factor = checked_growth(scale_factor, "scale_factor")
         self.backoff_factor = 1.0 / self.scale_factor if backoff_factor is None else \
-            _checked_backoff(backoff_factor, "backoff_factor")
-        self.scale_window = _checked_interval(scale_window, "scale_window")
+            checked_backoff(backoff_factor, "backoff_factor")
+        self.scale_window = checked_interval(scale_window, "scale_window")
         self.clean_steps = 0              # clean steps since the last overflow or growth
 
     def get_drop_overflow_update(self) -> bool:
@@ -178,19 +177,19 @@ class DynamicLossScaleManager(LossScaleManager):
         return self.scale_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self.scale_factor = _checked_growth(new_factor, "growth_factor")
+        self.scale_factor = checked_growth(new_factor, "growth_factor")
 
     def get_backoff_factor(self) -> float:
         return self.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self.backoff_factor = _checked_backoff(new_factor, "backoff_factor")
+        self.backoff_factor = checked_backoff(new_factor, "backoff_factor")
 
     def get_growth_interval(self) -> int:
         return self.scale_window
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self.scale_window = _checked_interval(new_interval, "growth_interval")
+        self.scale_window = checked_interval(new_interval, "growth_interval")
 
     def load_state_dict(self, state: dict) -> None:
         if self._enabled and "type" not in state and "_growth_tracker" in state:
@@ -209,9 +208,9 @@ class DynamicLossScaleManager(LossScaleManager):
                 "scale_window": self.scale_window, "clean_steps": self.clean_steps}
 
     def _load_rule_state(self, state: dict) -> None:
-        self.scale_factor = _checked_growth(state["scale_factor"], "scale_factor")
-        self.backoff_factor = _checked_backoff(state["backoff_factor"], "backoff_factor")
-        self.scale_window = _checked_interval(state["scale_window"], "scale_window")
+        self.scale_factor = checked_growth(state["scale_factor"], "scale_factor")
+        self.backoff_factor = checked_backoff(state["backoff_factor"], "backoff_factor")
+        self.scale_window = checked_interval(state["scale_window"], "scale_window")
         self.clean_steps = int(state["clean_steps"])
 
     def __repr__(self) -> str:
@@ -228,30 +227,3 @@ def default_loss_scale_manager(level: str, dtype: torch.dtype) -> LossScaleManag
     if dtype == torch.bfloat16:
         return FixedLossScaleManager(1.0, drop_overflow_update=True)
     return DynamicLossScaleManager(init_loss_scale=TRAIN_STEP_INIT_SCALE)
-
-
-def _checked_scale(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number >= 1, got {value!r}")
-    if not math.isfinite(value) or value < 1 or value > FP32_MAX:
-        raise ValueError(f"{name} must be a finite number >= 1 (a scale below 1 would shrink gradients "
-                         f"towards underflow), got {value!r}")
-    return float(value)
-
-
-def _checked_growth(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 1:
-        raise ValueError(f"{name} must be a finite number greater than 1, got {value!r}")
-    return float(value)
-
-
-def _checked_backoff(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-        raise ValueError(f"{name} must be a number between 0 and 1 (the scale shrinks on overflow), got {value!r}")
-    return float(value)
-
-
-def _checked_interval(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer (steps), got {value!r}")
-    return value
