@@ -16,7 +16,6 @@ from torch import nn
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert_children import convert_children
 from amp_compiler.frontend import TracingError, trace
-from amp_compiler.insight.graph_decisions import preserve_decisions
 from amp_compiler.passes.fx.canonicalize import canonicalize
 from amp_compiler.passes.fx.cast_after_layout_ops import cast_after_layout_ops
 from amp_compiler.passes.fx.decide_precision import decide_fx_precision
@@ -27,6 +26,7 @@ from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
 from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
 from amp_compiler.passes.fx.propagate_values import propagate_values
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline
+from amp_compiler.saved_decisions import preserve_decisions
 from amp_compiler.passes.node_facts import facts
 
 

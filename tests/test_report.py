@@ -8,7 +8,7 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler import convert, diff, explain
-from amp_compiler.insight.graph_decisions import SAVED_ATTRIBUTE, preserve_decisions
+from amp_compiler.saved_decisions import SAVED_ATTRIBUTE, preserve_decisions
 from amp_compiler.insight.report_text import summarise_paths
 from models import build
 

@@ -5,19 +5,17 @@ and node.meta["amp_role"] = "cast" on the casts they insert; convert() writes gm
 report, the picture and compare() all read that record through this module, and import no pass, so
 they keep working whatever the passes become.
 
-torch.save keeps a GraphModule's code, not its nodes: torch.load re-traces the code into fresh nodes
-with empty meta. `preserve_decisions(gm)` stores the record as a plain attribute, which pickling keeps;
-`graph_summary(gm)` puts it back on the re-traced nodes (same code, so same node order).
+`graph_summary(gm)` (saved_decisions.py) gives gm.meta["amp"], also on a module that went through
+torch.save/torch.load.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch.fx as fx
-from amp_compiler.passes.node_facts import facts
 
-SAVED_ATTRIBUTE = "_amp_saved_decisions"
-NOT_CONVERTED = "needs a GraphModule returned by amp_compiler.convert()"
+from amp_compiler.passes.node_facts import facts
+from amp_compiler.saved_decisions import graph_summary  # noqa: F401 (the readers of this module use it)
 
 
 def is_cast(node: fx.Node) -> bool:
@@ -56,33 +54,6 @@ def module_of(node: fx.Node) -> str:
         for user in node.users:
             return module_of(user)
     return module
-
-
-def graph_summary(gm) -> dict:
-    """gm.meta["amp"], put back from the saved copy on a module that went through torch.save/load."""
-    meta = getattr(gm, "meta", None) or {}
-    if "amp" in meta:
-        return meta["amp"]
-    saved = getattr(gm, SAVED_ATTRIBUTE, None)
-    if saved is None or not isinstance(gm, fx.GraphModule):
-        raise ValueError(f"{type(gm).__name__}: {NOT_CONVERTED} (or one saved after "
-                         "amp_compiler.insight.graph_decisions.preserve_decisions)")
-    nodes = list(gm.graph.nodes)
-    if [node.op for node in nodes] != [op for op, _, _ in saved["nodes"]]:
-        raise ValueError("the saved precision decisions do not match this graph: it was edited after "
-                         "convert(); convert the model again")
-    for node, (_, amp, role) in zip(nodes, saved["nodes"]):
-        node.meta["amp"] = amp
-        if role is not None:
-            node.meta["amp_role"] = role
-    gm.meta = {**meta, "amp": saved["summary"]}
-    return gm.meta["amp"]
-
-
-def preserve_decisions(gm: fx.GraphModule) -> None:
-    """Keep the record through torch.save/torch.load (call it last: later graph edits are not tracked)."""
-    nodes = [(node.op, facts(node), node.meta.get("amp_role")) for node in gm.graph.nodes]
-    setattr(gm, SAVED_ATTRIBUTE, {"summary": gm.meta["amp"], "nodes": nodes})
 
 
 @dataclass
