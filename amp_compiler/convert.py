@@ -16,7 +16,9 @@ from torch import nn
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert_children import convert_children
 from amp_compiler.frontend import TracingError, trace
+from amp_compiler.passes.fx.calibrate_ranges import record_ranges
 from amp_compiler.passes.fx.canonicalize import canonicalize
+from amp_compiler.passes.fx.constant_range import warn_constants_beyond_fp16
 from amp_compiler.passes.fx.cast_after_layout_ops import cast_after_layout_ops
 from amp_compiler.passes.fx.decide_precision import decide_fx_precision
 from amp_compiler.passes.fx.fold_casts import count_casts, fold_casts
@@ -25,19 +27,21 @@ from amp_compiler.passes.fx.insert_casts import insert_casts, output_value_nodes
 from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
 from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
 from amp_compiler.passes.fx.propagate_values import propagate_values
+from amp_compiler.passes.painting.calibrate_keep_fp32 import keep_out_of_range_fp32
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline
 from amp_compiler.saved_decisions import preserve_decisions
 from amp_compiler.passes.node_facts import facts
 
 
 def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None = None,
-            dynamic_shapes=None, **overrides) -> fx.GraphModule:
+            dynamic_shapes=None, calibration_data=None, **overrides) -> fx.GraphModule:
     """Trace `model` and return a GraphModule whose every node runs in the precision the rules pick.
 
     The result shares the model's parameters and buffers (an optimizer on model.parameters() trains it)
     and never changes the model. `amp_compiler.explain(gm)` tells why each node got its dtype.
     `dynamic_shapes` (torch.export's format) is used when the model needs the torch.export front end;
-    by default every dim torch.export can keep dynamic stays dynamic.
+    by default every dim torch.export can keep dynamic stays dynamic. `calibration_data`: an iterable of
+    input tuples; the fp32 model runs on each and nodes whose values the low dtype cannot hold stay fp32.
     """
     config = make_config(level, **overrides)
     try:
@@ -47,7 +51,7 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
             raise
         return convert_children(model, error, convert, level, example_inputs, **overrides)
     gm = traced.graph_module
-    counts = run_pipeline(gm, config, example_inputs)
+    counts = run_pipeline(gm, config, example_inputs, calibration_data)
     gm.meta["amp"] = {
         "level": config.level, "requested_level": config.requested_level,
         "dtype": config.low_dtype_name, "frontend": traced.frontend, "leaf_modules": traced.leaves,
@@ -65,6 +69,7 @@ class FxState:
     config: AmpConfig
     example_inputs: tuple | None = None
     original_outputs: list = field(default_factory=list)   # dtypes the original model returns
+    calibration_data: object = None                          # iterable of input tuples, or None
 
     @property
     def low(self) -> torch.dtype:
@@ -91,6 +96,12 @@ def _paints(state: FxState) -> bool:
     return state.paints
 
 
+def _decide(state: FxState) -> PassResult:
+    ranges = {n.name: facts(n)["range"] for n in state.gm.graph.nodes if "range" in facts(n)}
+    hooks = (keep_out_of_range_fp32(ranges, state.low),) if ranges else ()   # calibrated: range decides too
+    return decide_fx_precision(state.gm, state.config.precision_rules(), painted=hooks)
+
+
 def check_fx_graph(state: FxState) -> None:
     """The invariant every fx pass keeps (passes/README.md): a valid, topologically ordered graph."""
     state.gm.graph.lint()
@@ -104,8 +115,11 @@ FX_PIPELINE = Pipeline("fx", (
          when_says="when the front end recorded no values"),
     Pass("infer_dtypes:original", _original_dtypes),
     Pass("mark_unchanged", _mark_unchanged, when=lambda s: not s.paints, when_says="when the level does not paint"),
-    Pass("decide_precision", lambda s: decide_fx_precision(s.gm, s.config.precision_rules()),   # low/fp32 on floats
-         when=_paints, when_says=_PAINTING),
+    Pass("calibrate_ranges", lambda s: record_ranges(s.gm, s.calibration_data, s.low),   # fp32 runs on samples
+         when=lambda s: s.paints and s.calibration_data is not None, when_says="with calibration_data, at a level that paints"),
+    Pass("decide_precision", _decide, when=_paints, when_says=_PAINTING),   # low/fp32 on floats
+    Pass("warn_constants_beyond_fp16", lambda s: warn_constants_beyond_fp16(s.gm),   # -1e9 into a float16 op
+         when=lambda s: s.paints and s.low == torch.float16, when_says="when the level paints, in float16"),
     Pass("plan_opaque_calls", lambda s: plan_opaque_calls(s.gm, s.low),   # bodies under autocast, outputs as before
          when=_paints, when_says=_PAINTING),
     Pass("lower_leaf_modules", lambda s: lower_leaf_modules(s.gm, s.low),   # params via get_attr: castable
@@ -120,9 +134,10 @@ FX_PIPELINE = Pipeline("fx", (
 ), check=check_fx_graph)
 
 
-def run_pipeline(gm: fx.GraphModule, config: AmpConfig, example_inputs=None) -> dict[str, dict[str, int]]:
+def run_pipeline(gm: fx.GraphModule, config: AmpConfig, example_inputs=None,
+                 calibration_data=None) -> dict[str, dict[str, int]]:
     """Run FX_PIPELINE on `gm` (in place); returns what each pass counted, by pass."""
-    state = FxState(gm, config, example_inputs)
+    state = FxState(gm, config, example_inputs, calibration_data=calibration_data)
     counts = FX_PIPELINE.run(state)
     if state.paints:
         gm.graph.lint()

@@ -23,6 +23,8 @@ NodeFacts = TypedDict("NodeFacts", {
     "rule": str,              # decide_precision and later rewrites: why the node has its precision, in words
     "forced": str,            # decide_precision (onnx): which user rule forced the node
     "fp32_weights": bool,     # decide_precision (fx): a low op that keeps fp32 weights (mixed-kernel norms)
+    "range": dict,            # calibrate_ranges (fx): samples, max_abs, overflows, read_max, read_from, below_normal
+    "warning": str,           # warn_constants_beyond_fp16 (fx): a constant beyond fp16 that reaches a float16 op
 }, total=False)
 
 ROLE = "amp_role"   # node.meta[ROLE]: "cast" | "loss_scale" | "unscale" | "overflow_check" on nodes the passes add

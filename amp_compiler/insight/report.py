@@ -39,6 +39,7 @@ class PrecisionReport:
     summary: dict = field(default_factory=dict)     # gm.meta["amp"]
     islands: list[dict] = field(default_factory=list)
     filters: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)   # values the low dtype cannot hold (constant_range)
 
     def __str__(self) -> str:
         return "\n".join(self.summary_lines() + self.table_lines())
@@ -49,6 +50,8 @@ class PrecisionReport:
         lines = [f"amp-compiler report: level {s.get('level')} (asked {s.get('requested_level')}), "
                  f"{s.get('dtype')}, front end {s.get('frontend')}"]
         lines.append(f"nodes: {self.counts()}")
+        for warning in self.warnings:
+            lines += wrapped("WARNING", [warning])
         lines += _island_lines(self.islands)
         if s.get("leaf_modules"):
             lines += _leaf_lines(s["leaf_modules"])
@@ -78,7 +81,7 @@ class PrecisionReport:
 
     def to_json(self, **dumps) -> str:
         data = {"summary": self.summary, "totals": self.totals, "islands": self.islands, "filters": self.filters,
-                "rows": self.rows}
+                "warnings": self.warnings, "rows": self.rows}
         return json.dumps(data, default=str, **dumps)    # managers, dtypes: their printed form
 
     def _repr_html_(self) -> str:
@@ -120,7 +123,8 @@ def _explain_graph(gm: fx.GraphModule, summary: dict) -> PrecisionReport:
                      "dtype": computed_dtype(node, low), "rule": amp.get("rule", "")})
     islands = [island.to_dict() for island in fp32_islands(gm)]
     casts = sum(1 for node in gm.graph.nodes if is_cast(node))
-    return PrecisionReport(rows, _totals(rows, casts), dict(summary), islands)
+    warnings = [facts(node)["warning"] for node in gm.graph.nodes if "warning" in facts(node)]
+    return PrecisionReport(rows, _totals(rows, casts), dict(summary), islands, warnings=warnings)
 
 
 def _totals(rows: list[dict], casts: int) -> dict:
@@ -133,13 +137,14 @@ def _totals(rows: list[dict], casts: int) -> dict:
 
 def _explain_children(module) -> PrecisionReport:
     """A model whose own forward runs as written: the reports of its converted children, one table."""
-    rows, islands, casts = [], [], 0
+    rows, islands, casts, warnings = [], [], 0, []
     for name in module.meta["amp"]["children"]:
         child = explain(module.get_submodule(name))
         rows += [{**row, "module": f"{name}.{row['module']}" if row["module"] else name} for row in child.rows]
         islands += [{**island, "module": f"{name}.{island['module']}".rstrip(".")} for island in child.islands]
         casts += child.totals["casts"]
-    return PrecisionReport(rows, _totals(rows, casts), dict(module.meta["amp"]), islands)
+        warnings += [f"{name}: {warning}" for warning in child.warnings]
+    return PrecisionReport(rows, _totals(rows, casts), dict(module.meta["amp"]), islands, warnings=warnings)
 
 
 def _leaf_lines(leaves: list[str]) -> list[str]:

@@ -1,0 +1,101 @@
+"""Warn when a constant fp16 cannot hold reaches a float16 op (dtype float16, at any level).
+
+    scores.masked_fill(mask, -1e9) [fp32: reads -1e9] -> softmax [float16 at O2]
+    FP16RangeWarning: masked_fill reads the constant -1e+09, beyond fp16's 65504 (it runs fp32); its
+    value reaches softmax in float16, where the cast makes it -inf ...
+
+decide_precision keeps a node that reads such a constant fp32, but its value can still reach a float16
+reader through a cast (softmax is low at O2/O3): -1e9 becomes -inf there, and a fully masked row NaN.
+The value is followed through fp32 infer/clear nodes (pointwise ops and data movement keep its
+magnitude) to the first low readers; a deny node (softmax, a norm, a reduction) ends the path. Tensor
+constants (get_attr) count too. Writes facts(node)["warning"] on the node that reads the constant;
+explain()'s summary lists it.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from functools import reduce
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from amp_compiler.passes.fx.decide_precision import FP16_MAX, _out_of_fp16_range
+from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.runner import PassResult
+
+KEEP_MAGNITUDE = ("infer", "clear")   # classes whose fp32 output carries an input's magnitude on
+
+
+class FP16RangeWarning(UserWarning):
+    """A value beyond fp16's range reaches a float16 op: it becomes inf there."""
+
+
+def warn_constants_beyond_fp16(gm: fx.GraphModule) -> PassResult:
+    """After decide_precision on a float16 conversion: one warning per constant that reaches a low op."""
+    warned = 0
+    for node in gm.graph.nodes:
+        value = _constant_beyond_fp16(gm, node)
+        if value is None:
+            continue
+        readers = [node] if facts(node).get("precision") == "low" else _low_readers(node)
+        if readers:
+            message = _message(node, value, readers)
+            facts(node)["warning"] = message
+            warnings.warn(message, FP16RangeWarning, stacklevel=_callers_level())
+            warned += 1
+    return PassResult(modified=False, counts={"warnings": warned} if warned else {})
+
+
+def _callers_level() -> int:
+    """The stack level of the first frame outside amp_compiler (and its passes): the user's convert() call."""
+    ours = (str(Path(sys.modules["amp_compiler"].__file__).parent), str(Path(__file__).parents[1]))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(ours):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _constant_beyond_fp16(gm: fx.GraphModule, node: fx.Node) -> float | None:
+    if node.op == "get_attr":
+        tensor = reduce(getattr, node.target.split("."), gm)
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.numel() == 0:
+            return None
+        finite = tensor.detach()[tensor.detach().isfinite()]
+        if finite.numel() == 0:
+            return None
+        value = finite.flatten()[finite.abs().argmax()].item()
+        return value if abs(value) > FP16_MAX else None
+    if node.op in ("call_function", "call_method", "call_module") and facts(node).get("precision") is not None:
+        return _out_of_fp16_range(node)
+    return None
+
+
+def _low_readers(source: fx.Node) -> list[fx.Node]:
+    """Low nodes that read `source`'s value directly or through fp32 nodes that keep its magnitude."""
+    seen, stack, found = {source}, [source], []
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            amp = facts(user)
+            if amp.get("precision") == "low":
+                found.append(user)
+            elif amp.get("precision") == "fp32" and amp.get("class") in KEEP_MAGNITUDE:
+                stack.append(user)
+    return found
+
+
+def _message(source: fx.Node, value: float, readers: list[fx.Node]) -> str:
+    what = (f"the tensor constant {source.target} holds {value:g}" if source.op == "get_attr"
+            else f"{source.name} reads the constant {value:g}")
+    runs = "" if source.op == "get_attr" or facts(source).get("precision") == "low" else " (it runs fp32)"
+    names = ", ".join(f"{r.name} ({facts(r).get('op', '?')})" for r in readers[:4])
+    names += f" and {len(readers) - 4} more" if len(readers) > 4 else ""
+    infinity = "-inf" if value < 0 else "inf"
+    return (f"{what}, beyond fp16's 65504{runs}; its value reaches {names} in float16, where it becomes "
+            f"{infinity} (a softmax row that is all -inf gives NaN). Keep the readers fp32 "
+            f"(force_fp32=[{', '.join(repr(r.name) for r in readers[:4])}]), convert with dtype=torch.bfloat16, "
+            "or use a value fp16 holds (torch.finfo(torch.float16).min)")
