@@ -1,7 +1,7 @@
 """compare(model, gm, inputs): which node of a mixed-precision graph is to blame for its error.
 
     report = amp_compiler.compare(model, gm, (x,))
-    compare (float16 graph against fp32): 20 float nodes, tolerance 0.01 of each value's scale: outputs FAILED
+    compare (float16 graph against fp32): 20 float nodes, tolerance 0.01 of each value's scale: FAILED (outputs ...)
       output output[0] (output) float32: max abs inf, inf of scale, inf ulp, 8 non-finite where fp32 is finite
       first node past tolerance: masked_fill_float16 (cast) float16: max abs inf, ... 4 non-finite where fp32 is finite
       chain: q_bias_float16 -> linear -> matmul -> matmul_float32 -> masked_fill -> masked_fill_float16
@@ -30,6 +30,7 @@ SHOWN_WORST = 8
 
 @dataclass
 class NodeError:
+    """One value's error against fp32 (an fx node's, or an ONNX node output's)."""
     node: str
     op: str
     module: str
@@ -40,16 +41,26 @@ class NodeError:
     ulps: float              # max_abs in steps of the low dtype at that scale
     non_finite: int          # elements inf/nan in the graph where fp32 is finite
     ok: bool
+    value: str = ""          # ONNX: the value's name (a node may have several outputs); fx: ""
 
     def __str__(self) -> str:
         where = f", {self.module}" if self.module else ""
+        value = f" -> {self.value}" if self.value and self.value != self.node else ""
         inf = f", {self.non_finite} non-finite where fp32 is finite" if self.non_finite else ""
-        return (f"{self.node} ({self.op}{where}) {self.dtype}: max abs {self.max_abs:.3g}, "
+        return (f"{self.node} ({self.op}{where}){value} {self.dtype}: max abs {self.max_abs:.3g}, "
                 f"{self.max_rel:.3g} of scale, {self.ulps:.3g} ulp{inf}")
+
+    # validate_onnx's former TensorError and DriftingNode attribute names
+    name = property(lambda self: self.value or self.node)
+    max_abs_error = property(lambda self: self.max_abs)
+    max_rel_error = property(lambda self: self.max_rel)
+    op_type = property(lambda self: self.op)
+    error = property(lambda self: self)
 
 
 @dataclass
 class ComparisonReport:
+    """What compare() and validate_onnx() return: per-node error against fp32, worst first."""
     low_dtype: str
     rtol: float
     errors: list[NodeError]               # every float node, worst first
@@ -57,24 +68,37 @@ class ComparisonReport:
     first_failure: NodeError | None = None    # in graph order
     chain: list[NodeError] = field(default_factory=list)   # from an input to first_failure, worst input each step
     notes: list[str] = field(default_factory=list)
+    atol: float = 0.0                     # allowed on top of rtol x scale
+    source: str = ""                      # validate_onnx: the file compared; compare(): ""
+    providers: list[str] = field(default_factory=list)   # validate_onnx: ONNX Runtime's providers
 
     @property
     def passed(self) -> bool:
         return all(error.ok for error in self.outputs)
 
+    # validate_onnx's former ValidationReport attribute names
+    path = property(lambda self: self.source)
+    first_drift = property(lambda self: self.first_failure)
+    intermediates_compared = property(lambda self: len(self.errors))
+
     def __str__(self) -> str:
-        verdict = "outputs within tolerance" if self.passed else "outputs FAILED"
-        lines = [f"compare ({self.low_dtype} graph against fp32): {len(self.errors)} float nodes, tolerance "
-                 f"{self.rtol:g} of each value's scale: {verdict}"]
+        verdict = "passed (outputs within tolerance)" if self.passed else "FAILED (outputs past tolerance)"
+        head = f"validate {self.source} on {self.providers[0]}" if self.source else \
+            f"compare ({self.low_dtype} graph against fp32)"
+        atol = f" + {self.atol:g}" if self.atol else ""
+        lines = [f"{head}: {len(self.errors)} float nodes, tolerance {self.rtol:g} of each value's scale{atol}: "
+                 f"{verdict}"]
         lines += [f"  output {error}" for error in self.outputs]
-        if self.first_failure is None:
-            lines.append("  no node past tolerance")
-        else:
-            lines.append(f"  first node past tolerance: {self.first_failure}")
+        if self.first_failure is not None:
+            label = "first drifting node" if self.source else "first node past tolerance"   # each one's old wording
+            lines.append(f"  {label}: {self.first_failure}")
             lines.append("  chain: " + " -> ".join(error.node for error in self.chain))
             lines += [f"    {error}" for error in self.chain]
-        lines.append("  worst nodes:")
-        lines += [f"    {error}" for error in self.errors[:SHOWN_WORST]]
+        elif self.errors:
+            lines.append("  no node past tolerance")
+        if self.errors:
+            lines.append("  worst nodes:")
+            lines += [f"    {error}" for error in self.errors[:SHOWN_WORST]]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -102,7 +126,7 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None 
             errors[node] = _node_error(node, candidate[node], reference[node], low, rtol)
     outputs = [_node_error(None, c, r, low, rtol, name=f"output[{i}]")
                for i, (c, r) in enumerate(zip(_leaves(candidate_out), _leaves(reference_out)))]
-    report = ComparisonReport(low, rtol, sorted(errors.values(), key=_badness, reverse=True), outputs,
+    report = ComparisonReport(low, rtol, sorted(errors.values(), key=badness, reverse=True), outputs,
                               notes=_replay_notes(reference_out, model_out))
     first = next((node for node, error in errors.items() if not error.ok), None)
     if first is not None:
@@ -138,6 +162,15 @@ def _run(gm, inputs, fp32: bool):
 
 def _node_error(node, candidate: torch.Tensor, reference: torch.Tensor, low: str, rtol: float,
                 name: str | None = None) -> NodeError:
+    amp = facts(node) if node is not None else {}
+    return tensor_error(candidate, reference, low, rtol, node=name or node.name, op=amp.get("op", "output"),
+                        module=module_of(node) if node is not None else "")
+
+
+def tensor_error(candidate: torch.Tensor, reference: torch.Tensor, low: str, rtol: float, atol: float = 0.0, *,
+                 node: str, op: str, module: str = "", value: str = "") -> NodeError:
+    """The error of one value against its fp32 reference; ok when finite wherever fp32 is and within
+    atol + rtol x scale (the largest finite |fp32 value|)."""
     a, b = candidate.double(), reference.double()
     if a.shape != b.shape:
         max_abs, scale, non_finite = math.inf, 0.0, 0
@@ -151,25 +184,28 @@ def _node_error(node, candidate: torch.Tensor, reference: torch.Tensor, low: str
         non_finite = int((~a.isfinite() & b.isfinite()).sum())
     ulp = 2.0 ** (math.floor(math.log2(scale)) - MANTISSA_BITS.get(low, 10)) if scale > 0 else math.inf
     relative = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    amp = facts(node) if node is not None else {}
-    return NodeError(name or node.name, amp.get("op", "output"), module_of(node) if node is not None else "",
-                     str(candidate.dtype).removeprefix("torch."), tuple(candidate.shape), max_abs, relative,
-                     max_abs / ulp if max_abs else 0.0, non_finite,
-                     non_finite == 0 and max_abs <= rtol * scale + 1e-12)
+    return NodeError(node, op, module, str(candidate.dtype).removeprefix("torch."), tuple(candidate.shape), max_abs,
+                     relative, max_abs / ulp if max_abs else 0.0, non_finite,
+                     non_finite == 0 and max_abs <= rtol * scale + atol + 1e-12, value)
 
 
-def _badness(error: NodeError) -> tuple:
+def badness(error: NodeError) -> tuple:
     return (error.non_finite > 0, error.max_rel if not math.isnan(error.max_rel) else math.inf)
 
 
 def _chain(node: fx.Node, errors: dict) -> list[NodeError]:
-    """Back from `node` through the input with the largest relative error, to where the error starts."""
-    chain = [node]
+    return worst_chain(node, errors, lambda n: n.all_input_nodes)
+
+
+def worst_chain(start, errors: dict, inputs_of) -> list[NodeError]:
+    """Back from `start` through the input with the largest relative error, to where the error starts
+    (errors: by node or value; inputs_of: what a key reads)."""
+    chain = [start]
     while len(chain) < 64:
-        sources = [n for n in chain[-1].all_input_nodes if n in errors]
+        sources = [n for n in inputs_of(chain[-1]) if n in errors and n not in chain]
         if not sources:
             break
-        worst = max(sources, key=lambda n: _badness(errors[n]))
+        worst = max(sources, key=lambda n: badness(errors[n]))
         if errors[worst].max_rel == 0 and errors[worst].non_finite == 0:
             break
         chain.append(worst)

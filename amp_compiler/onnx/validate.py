@@ -1,8 +1,15 @@
 """validate_onnx(): does the fp16 model load, type-check and compute what the fp32 reference computes?
 
     report = validate_onnx("m_fp16.onnx", reference="m.onnx" | model, inputs=(x,), compare_intermediates=True)
-    output logits: max abs 3.1e-04, max rel 2.2e-03  ok
-    first drifting node: node_MatMul_13 (MatMul) -> val_15: max abs 0.8, max rel 1.2
+    validate m_fp16.onnx on CPUExecutionProvider: 41 float nodes, tolerance 0.01 of each value's scale + 0.01: ...
+      output node_Softmax_20 (Softmax) -> logits float32: max abs 3.1e-04, 2.2e-03 of scale, 0.3 ulp
+      first node past tolerance: node_MatMul_13 (MatMul) -> val_15 float16: max abs inf, ...
+      chain: node_Relu_9 -> node_MatMul_13
+
+The report is compare()'s ComparisonReport (amp_compiler/insight/compare.py): the same per-node errors
+(max abs, relative to the value's scale, ulp, non-finite), the first node past tolerance and the chain of
+worst inputs that leads to it; ValidationReport is its name here, TensorError and DriftingNode its
+NodeError (with their old attribute names: max_abs_error, first_drift, intermediates_compared, ...).
 
 The checker runs with full_check on the file's path (so external data and >2 GB models work). On ONNX
 Runtime's CPU provider most fp16 ops run in fp32 internally, so a CPU run checks loading, types and rough
@@ -13,14 +20,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
-
 import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
 from torch import nn
 
+from amp_compiler.insight.compare import ComparisonReport, NodeError, badness, tensor_error, worst_chain
 from amp_compiler.onnx.files import load_onnx_model
 from amp_compiler.onnx.sessions import execution_providers, make_session
 from amp_compiler.passes.onnx.infer_types import infer_onnx_types
@@ -30,53 +36,11 @@ CPU_NOTE = ("CPUExecutionProvider runs most fp16 ops in fp32: this checks loadin
             "not fp16 overflow or rounding")
 
 
-@dataclass
-class TensorError:
-    name: str
-    shape: tuple
-    max_abs_error: float
-    max_rel_error: float     # over elements where |reference| > atol; smaller ones are judged by abs error
-    ok: bool                 # |a - b| <= atol + rtol * |b| everywhere (inf must meet an equal inf)
-
-    def __str__(self) -> str:
-        return (f"{self.name}: max abs {self.max_abs_error:.3g}, max rel {self.max_rel_error:.3g}  "
-                f"{'ok' if self.ok else 'MISMATCH'}")
+class ValidationReport(ComparisonReport):
+    """compare()'s report, as validate_onnx makes it (the name earlier releases exported)."""
 
 
-@dataclass
-class DriftingNode:
-    node: str
-    op_type: str
-    error: TensorError
-
-    def __str__(self) -> str:
-        return f"first drifting node: {self.node} ({self.op_type}) -> {self.error}"
-
-
-@dataclass
-class ValidationReport:
-    path: str
-    providers: list[str]
-    outputs: list[TensorError]
-    rtol: float
-    atol: float
-    first_drift: DriftingNode | None = None
-    intermediates_compared: int = 0
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return all(e.ok for e in self.outputs)
-
-    def __str__(self) -> str:
-        lines = [f"validate {self.path} on {self.providers[0]} (rtol={self.rtol:g}, atol={self.atol:g}): "
-                 f"{'passed' if self.passed else 'FAILED'}"]
-        lines += [f"  output {e}" for e in self.outputs]
-        if self.intermediates_compared:
-            lines.append(f"  {self.first_drift or 'no intermediate tensor drifts'} "
-                         f"({self.intermediates_compared} intermediate tensors compared)")
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
+TensorError = DriftingNode = NodeError     # earlier names of validate_onnx's per-value errors
 
 
 def validate_onnx(path, reference, inputs, *, rtol: float = 1e-2, atol: float = 1e-2,
@@ -99,11 +63,16 @@ def validate_onnx(path, reference, inputs, *, rtol: float = 1e-2, atol: float = 
             ours = _run(path, arrays)
             reference_outputs = _run_module(reference, inputs) if isinstance(reference, nn.Module) else \
                 list(_run(_reference_onnx(reference, inputs, scratch), arrays).values())
-    output_names = _output_names(path)
-    errors = [_compare(name, ours[name], ref, rtol, atol) for name, ref in zip(output_names, reference_outputs)]
-    report = ValidationReport(path, providers, errors, rtol, atol, notes=notes)
+    candidate = load_onnx_model(path)
+    low = _low_dtype(candidate)
+    producers = {value.name: node for node in candidate.graph for value in node.outputs}
+    outputs = []
+    for value, ref in zip(candidate.graph.outputs, reference_outputs):
+        producer = producers.get(value.name)
+        outputs.append(_error(ours[value.name], ref, low, rtol, atol, producer, value.name))
+    report = ValidationReport(low, rtol, [], outputs, notes=notes, atol=atol, source=path, providers=providers)
     if compare_intermediates:
-        report.first_drift, report.intermediates_compared = _first_drift(path, ours, theirs, rtol, atol)
+        _compare_intermediates(report, candidate, producers, ours, theirs)
     return report
 
 
@@ -154,32 +123,37 @@ def _output_names(path: str) -> list[str]:
     return [o.name for o in load_onnx_model(path).graph.outputs]
 
 
-def _first_drift(path: str, ours: dict, theirs: dict, rtol: float, atol: float):
-    compared = 0
-    for node in load_onnx_model(path).graph:
+def _compare_intermediates(report: ValidationReport, candidate: ir.Model, producers: dict, ours: dict,
+                           theirs: dict) -> None:
+    """Every float value both runs computed, in graph order; the first past tolerance and its chain."""
+    errors = {}
+    for node in candidate.graph:
         for value in node.outputs:
-            if value.name in ours and value.name in theirs and ours[value.name].shape == theirs[value.name].shape:
-                compared += 1
-                error = _compare(value.name, ours[value.name], theirs[value.name], rtol, atol)
-                if not error.ok:
-                    return DriftingNode(node.name, node.op_type, error), compared
-    return None, compared
+            name = value.name
+            if name in ours and name in theirs and ours[name].shape == theirs[name].shape and \
+                    np.issubdtype(np.asarray(ours[name]).dtype, np.floating):
+                errors[name] = _error(ours[name], theirs[name], report.low_dtype, report.rtol, report.atol, node, name)
+    report.errors = sorted(errors.values(), key=badness, reverse=True)
+    first = next((name for name, error in errors.items() if not error.ok), None)
+    if first is not None:
+        reads = lambda name: [v.name for v in producers[name].inputs if v is not None] if name in producers else []
+        report.first_failure, report.chain = errors[first], worst_chain(first, errors, reads)
 
 
-def _compare(name: str, candidate, reference, rtol: float, atol: float) -> TensorError:
-    a = np.asarray(candidate).astype(np.float64)
-    b = np.asarray(reference).astype(np.float64)
-    if a.shape != b.shape:
-        return TensorError(name, a.shape, float("inf"), float("inf"), False)
-    same = (a == b) | (np.isnan(a) & np.isnan(b))        # equal infinities count as agreement
-    with np.errstate(invalid="ignore"):
-        diff = np.where(same, 0.0, np.abs(a - b))
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    magnitude = np.abs(b)
-    large = magnitude > atol
-    rel = float((diff[large] / magnitude[large]).max(initial=0.0))
-    ok = bool(np.all(diff <= atol + rtol * np.where(np.isfinite(magnitude), magnitude, 0.0)))
-    return TensorError(name, a.shape, float(diff.max(initial=0.0)), rel, ok)
+def _error(candidate, reference, low: str, rtol: float, atol: float, node, value: str) -> NodeError:
+    a, b = torch.from_numpy(np.asarray(candidate)), torch.from_numpy(np.asarray(reference))
+    node_name, op = (node.name, node.op_type) if node is not None else (value, "input")
+    return tensor_error(a, b, low, rtol, atol, node=node_name, op=op, value=value)
+
+
+def _low_dtype(model: ir.Model) -> str:
+    """float16 or bfloat16 where the model computes in it (the ulp unit), else float32."""
+    values = [*(v for node in model.graph for v in node.outputs), *model.graph.initializers.values()]
+    seen = {value.dtype for value in values if value.dtype is not None}
+    for dtype, name in ((ir.DataType.FLOAT16, "float16"), (ir.DataType.BFLOAT16, "bfloat16")):
+        if dtype in seen:
+            return name
+    return "float32"
 
 
 def _numpy(x) -> np.ndarray:

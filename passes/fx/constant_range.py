@@ -94,8 +94,8 @@ def _message(source: fx.Node, value: float, readers: list[fx.Node]) -> str:
     runs = "" if source.op == "get_attr" or facts(source).get("precision") == "low" else " (it runs fp32)"
     names = ", ".join(f"{r.name} ({facts(r).get('op', '?')})" for r in readers[:4])
     names += f" and {len(readers) - 4} more" if len(readers) > 4 else ""
-    infinity = "-inf" if value < 0 else "inf"
+    infinity = "-inf (a softmax row that is all -inf gives NaN)" if value < 0 else "inf"
     return (f"{what}, beyond fp16's 65504{runs}; its value reaches {names} in float16, where it becomes "
-            f"{infinity} (a softmax row that is all -inf gives NaN). Keep the readers fp32 "
+            f"{infinity}. Keep the readers fp32 "
             f"(force_fp32=[{', '.join(repr(r.name) for r in readers[:4])}]), convert with dtype=torch.bfloat16, "
             "or use a value fp16 holds (torch.finfo(torch.float16).min)")
