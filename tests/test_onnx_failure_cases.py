@@ -284,9 +284,5 @@ def test_bad_inputs_name_the_file_or_value(tmp_path):
         convert_onnx(str(not_onnx), str(tmp_path / "o.onnx"))
     with pytest.raises(FileNotFoundError, match="missing.onnx"):
         convert_onnx(str(tmp_path / "missing.onnx"), str(tmp_path / "o.onnx"))
-    ints = make_model([helper.make_node("Add", ["a", "a"], ["b"], name="add")], [tensor_input("a", I64, [2])],
-                      [tensor_input("b", I64, [2])])
-    with pytest.raises(ValueError, match="ints.onnx has no float32/float16/bfloat16 tensors"):
-        convert_onnx(save(ints, tmp_path, "ints.onnx"), str(tmp_path / "o.onnx"))
     with pytest.raises(ValueError, match="'O5'"):
         convert_onnx(save(if_model(), tmp_path, "m.onnx"), str(tmp_path / "o.onnx"), "O5")

@@ -68,6 +68,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args) -> int:
     from amp_compiler.onnx.export import export_onnx
+    from amp_compiler.onnx.files import UnwritableDestinationError
     from amp_compiler.onnx.validate import validate_onnx
     try:
         model, example_inputs = _load_factory(args.factory, args.kwarg, args.input_shape)
@@ -78,18 +79,19 @@ def run_export(args) -> int:
             validation = validate_onnx(args.output, model, example_inputs)
             print(validation)
             return 0 if validation.passed else 1
-    except (ValueError, TypeError, FileNotFoundError) as error:
+    except (ValueError, TypeError, FileNotFoundError, UnwritableDestinationError) as error:
         return _usage_error("export", error)
     return 0
 
 
 def run_convert_onnx(args) -> int:
     from amp_compiler.onnx.convert import convert_onnx
+    from amp_compiler.onnx.files import UnwritableDestinationError
     try:
         report = convert_onnx(args.input, args.output, level=args.level, dtype=args.dtype,
                               keep_io_types=args.keep_io_types, op_block_list=args.op_block_list,
                               node_block_list=args.node_block_list, **_force(args))
-    except (ValueError, TypeError, FileNotFoundError) as error:
+    except (ValueError, TypeError, FileNotFoundError, UnwritableDestinationError) as error:
         return _usage_error("convert-onnx", error)
     print(report)
     if args.table:

@@ -19,11 +19,13 @@ import torch
 from onnx_ir.passes.common import TopologicalSortPass
 
 from amp_compiler.config import AmpConfig, make_config
-from amp_compiler.onnx.files import load_onnx_model, require_float_tensors, save_onnx_model, weight_bytes
+from amp_compiler.onnx.files import (check_writable, copy_onnx_file, has_external_tensors, has_float_tensors,
+                                     load_onnx_model, save_onnx_model, weight_bytes)
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts, decision_rows
 from amp_compiler.passes.onnx.decide_precision import decide_onnx_precision
+from amp_compiler.passes.onnx.declare_initializer_inputs import declare_initializer_inputs
 from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
-from amp_compiler.passes.onnx.infer_types import infer_onnx_types
+from amp_compiler.passes.onnx.infer_types import infer_onnx_types, infers_float_values
 from amp_compiler.passes.onnx.insert_casts import insert_onnx_casts
 from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
 from amp_compiler.passes.onnx.canonicalize import onnx_canonicalize
@@ -32,32 +34,70 @@ from amp_compiler.passes.onnx.store_moved_weights_low import store_moved_onnx_we
 from amp_compiler.passes.onnx.strip_float_casts import strip_onnx_float_casts
 from amp_compiler.passes.onnx.unique_names import unique_onnx_names
 
+PROGRESS_AFTER_SECONDS = 2.0   # a progress bar appears only for conversions that take longer than this
 IR_LOW_DTYPES = {torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
 
 
-def convert_onnx(src, dst, level: str = "O1", *, keep_io_types: bool = True, op_block_list=None,
-                 node_block_list=None, dtype=torch.float16, **overrides) -> OnnxConversionReport:
-    """Convert the fp32 ONNX model at `src` and write the mixed-precision model to `dst`.
+def convert_onnx(src, dst=None, level: str = "O1", *, keep_io_types: bool = True, op_block_list=None,
+                 node_block_list=None, dtype=torch.float16, progress: bool | None = None,
+                 **overrides) -> OnnxConversionReport:
+    """Convert the fp32 ONNX model `src` (a path, an onnx.ModelProto or an onnx_ir.Model) and write the
+    mixed-precision model to `dst`; with dst=None nothing is written and `report.model` holds the result
+    (an onnx_ir.Model, converted in place, when src is one; else an onnx.ModelProto; src's proto is not
+    changed). A model with nothing to convert (no float tensor, even after type inference) comes out
+    unchanged, with a note in the report.
 
     op_block_list: ONNX op types kept fp32 ("Softmax"); node_block_list: node names kept fp32. Keyword
     overrides are convert()'s: allow_ops/deny_ops/... (canonical op names) and force_fp32/force_low
     (patterns on node names, or torch module paths when the file came from torch.onnx.export).
+    progress: a progress bar on stderr (None: only when the model's weights take long to process).
     """
     started = time.perf_counter()
     config = make_config(level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
+    op_block_list, node_block_list = _names(op_block_list, "op_block_list"), _names(node_block_list, "node_block_list")
+    if dst is not None:
+        dst = check_writable(dst)   # before any work: a bad destination costs nothing
     model = load_onnx_model(src)
-    require_float_tensors(model, src)
-    report = OnnxConversionReport(os.fspath(src), os.fspath(dst), config.level, config.low_dtype_name,
-                                  config.keep_io_types, casts_in_source=count_casts(model),
+    report = OnnxConversionReport(_describe(src), "(returned)" if dst is None else dst, config.level,
+                                  config.low_dtype_name, config.keep_io_types, casts_in_source=count_casts(model),
                                   weight_bytes_before=weight_bytes(model))
-    report.pass_counts = run_onnx_pipeline(model, config, op_block_list=_names(op_block_list, "op_block_list"),
-                                           node_block_list=_names(node_block_list, "node_block_list"))
-    save_onnx_model(model, dst)
+    with ConversionProgress(model, len(ONNX_PIPELINE.passes) + 1, enabled=progress) as steps:
+        if not has_float_tensors(model) and not infers_float_values(model):
+            report.notes.append("nothing to convert: no float32/float16/bfloat16 tensor, even after type "
+                                "inference; the model is " + ("returned" if dst is None else "copied") + " unchanged")
+            _write_unchanged(src, model, dst, report)
+        else:
+            report.pass_counts = run_onnx_pipeline(model, config, op_block_list=op_block_list,
+                                                   node_block_list=node_block_list, on_pass=steps.advance)
+            _write(src, model, dst, report, steps)
     report.rows = decision_rows(model, config.low_dtype_name)
     report.casts, report.weight_bytes_after = count_casts(model), weight_bytes(model)
     report.warnings = conversion_warnings(report.pass_counts)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _describe(src) -> str:
+    if isinstance(src, (str, os.PathLike)):
+        return os.fspath(src)
+    return f"(an {type(src).__module__.split('.')[0]}.{type(src).__name__})"
+
+
+def _write(src, model: ir.Model, dst, report: OnnxConversionReport, steps) -> None:
+    if dst is None:
+        report.model = model if isinstance(src, ir.Model) else ir.to_proto(model)
+        return
+    steps.saving()
+    save_onnx_model(model, dst, callback=steps.tensor_written)
+
+
+def _write_unchanged(src, model: ir.Model, dst, report: OnnxConversionReport) -> None:
+    if dst is None:
+        report.model = src if isinstance(src, (ir.Model, onnx.ModelProto)) else ir.to_proto(model)
+    elif isinstance(src, (str, os.PathLike)) and not has_external_tensors(model):
+        copy_onnx_file(src, dst)   # byte for byte
+    else:
+        save_onnx_model(model, dst)
 
 
 @dataclass
@@ -97,16 +137,67 @@ ONNX_PIPELINE = Pipeline("onnx", (
     Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # weights, constants, chains, duplicates
     Pass("lower_graph_inputs", lambda s: lower_onnx_graph_inputs(s.model, s.low),
          when=lambda s: not s.config.keep_io_types, when_says=_LOWERS_INPUTS),
+    Pass("declare_initializer_inputs", lambda s: declare_initializer_inputs(s.model),   # IR 3 wants them
+         when=lambda s: s.model.ir_version < 4, when_says="when the model's IR version is below 4"),
     Pass("infer_types:verify", lambda s: infer_onnx_types(s.model, verify_rewrite=True)),   # ONNX must agree
     Pass("sort:after_rewrite", lambda s: sort_nodes(s.model)),
 ), check=check_onnx_model)
 
 
-def run_onnx_pipeline(model: ir.Model, config: AmpConfig, *, op_block_list=(), node_block_list=()) -> dict:
-    """Run ONNX_PIPELINE on `model` (in place); returns what each pass counted, by pass."""
+def run_onnx_pipeline(model: ir.Model, config: AmpConfig, *, op_block_list=(), node_block_list=(),
+                      on_pass=None) -> dict:
+    """Run ONNX_PIPELINE on `model` (in place); returns what each pass counted, by pass. on_pass(name) is
+    called as each pass starts."""
     if not config.level_spec.paints:
         return {}
-    return ONNX_PIPELINE.run(OnnxState(model, config, tuple(op_block_list), tuple(node_block_list)))
+    pipeline = ONNX_PIPELINE if on_pass is None else _announcing(ONNX_PIPELINE, on_pass)
+    return pipeline.run(OnnxState(model, config, tuple(op_block_list), tuple(node_block_list)))
+
+
+def _announcing(pipeline: Pipeline, on_pass) -> Pipeline:
+    """`pipeline` with on_pass(name) called as each pass starts (the same passes, names and conditions)."""
+    def announced(step: Pass):
+        def run(state):
+            on_pass(step.name)
+            return step.run(state)
+        return run
+    return Pipeline(pipeline.name, tuple(Pass(p.name, announced(p), p.when, p.when_says) for p in pipeline.passes),
+                    check=pipeline.check)
+
+
+class ConversionProgress:
+    """A progress bar on stderr for conversions that take a while: one step per pass and one for the save
+    (whose tensors tick by as they are written). enabled=None: shown only after PROGRESS_AFTER_SECONDS,
+    and only on a terminal (tqdm's own rules); False: never; True: always."""
+
+    def __init__(self, model: ir.Model, steps: int, *, enabled: bool | None = None):
+        self.model, self.steps, self.enabled, self.bar = model, steps, enabled, None
+        self.tensors = 0
+
+    def __enter__(self) -> "ConversionProgress":
+        if self.enabled is not False:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=self.steps, desc="convert_onnx", unit="step", leave=False,
+                            delay=0 if self.enabled else PROGRESS_AFTER_SECONDS,
+                            disable=False if self.enabled else None)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def advance(self, name: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(name, refresh=False)
+            self.bar.update(1)
+
+    def saving(self) -> None:
+        self.advance("save")
+
+    def tensor_written(self, tensor, info) -> None:
+        self.tensors += 1
+        if self.bar is not None and self.tensors % 16 == 0:
+            self.bar.set_postfix_str(f"save: {self.tensors} tensors written")
 
 
 def conversion_warnings(counts: dict) -> list[str]:
@@ -118,6 +209,10 @@ def conversion_warnings(counts: dict) -> list[str]:
     if untyped:
         warnings.append(f"{untyped} values come from ops ONNX has no schema for; "
                         "their types are the rewrite's, not inferred")
+    strict_failures = count(counts, "source_fails_strict_inference")
+    if strict_failures:
+        warnings.append(f"the input model itself fails ONNX's strict type inference at {strict_failures} node(s) "
+                        "the conversion did not change; the rewrite was checked with non-strict inference")
     return warnings
 
 

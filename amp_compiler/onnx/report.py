@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx_ir as ir
 
@@ -30,7 +31,9 @@ class OnnxConversionReport:
     weight_bytes_after: int = 0
     pass_counts: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)       # what the user should know that is not a warning
     seconds: float = 0.0
+    model: Any = field(default=None, repr=False)          # the converted model, when convert_onnx wrote none
 
     @property
     def nodes_per_precision(self) -> dict[str, int]:
@@ -47,6 +50,7 @@ class OnnxConversionReport:
         if moved:
             lines.append(f"weights only moved by fp32 ops (embedding tables...): {moved} stored in {self.dtype}, "
                          "their movers run low with one Cast up")
+        lines += [f"note: {n}" for n in self.notes]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 

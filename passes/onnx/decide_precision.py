@@ -15,7 +15,10 @@ Reads meta["amp"]["op"] and ["module"] (onnx_canonicalize) and the value types i
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from amp_compiler.passes.onnx.canonicalize import all_nodes
@@ -37,6 +40,10 @@ class OnnxNodes:
         missing = sorted(set(node_block_list) - {n.name for n in self.all})
         if missing:
             raise ValueError(f"node_block_list names {missing}, which are not nodes of this model")
+        unknown = sorted(set(op_block_list) - known_op_types() - {n.op_type for n in self.all})
+        if unknown:
+            raise ValueError(f"op_block_list names {unknown}, which are not ONNX op types (nor op types of this "
+                             "model's custom domains); op types are case-sensitive: Softmax, LayerNormalization")
         self.op_block_list, self.node_block_list = set(op_block_list), set(node_block_list)
         self.blocked: dict[ir.Node, str] = {}
         self.out_of_range: dict[ir.Node, str] = {}
@@ -99,6 +106,12 @@ def decide_onnx_precision(model: ir.Model, rules: PrecisionRules, low: ir.DataTy
     """`painted`: hooks that see the painted view before the precisions are written back."""
     counts = decide(OnnxNodes(model, rules, low, op_block_list, node_block_list), rules, painted)
     return PassResult(modified=False, counts=counts)
+
+
+@lru_cache(maxsize=1)
+def known_op_types() -> frozenset[str]:
+    """Every op type onnx has a schema for, in any domain and opset (ai.onnx, ai.onnx.ml, preview...)."""
+    return frozenset(schema.name for schema in onnx.defs.get_all_schemas_with_history())
 
 
 def _data_inputs(node: ir.Node) -> list[ir.Value]:
