@@ -1,11 +1,15 @@
-"""The `amp-compiler` command: demo, export, convert-onnx.
+"""The `amp-compiler` command: demo, explain, compare, render, export, convert-onnx.
 
-    amp-compiler demo [--model bert] [--dtype float16|bfloat16] [--steps 5]
+    amp-compiler demo [--model bert] [--dtype float16|bfloat16] [--steps 5] [--html graph.html]
+    amp-compiler explain MODULE:FACTORY [--level O2] [--dtype bf16] [--only fp32] [--html out.html]
+    amp-compiler --version
+The insight commands live in amp_compiler/insight/cli.py, the ONNX ones in amp_compiler/onnx/cli.py.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,7 +37,10 @@ def run_demo(args) -> int:
     print(f"== convert {args.model} at O1, {args.dtype} ==", flush=True)
     gm = amp_compiler.convert(task.model, "O1", dtype=dtype, example_inputs=task.example_inputs)
     report = amp_compiler.explain(gm)
-    print(report)
+    print("\n".join(report.summary_lines()))
+    html = amp_compiler.render(gm, args.html or Path(tempfile.gettempdir()) / f"amp-compiler-demo-{args.model}.html")
+    print(f"graph and rules of all {report.totals['rows']} nodes: {html.resolve()} (open it in a browser; "
+          f"`amp-compiler explain models:build --kwarg name={args.model} --table` prints them)")
     task.model.eval()
     gm.eval()
     with torch.no_grad():
@@ -59,7 +66,10 @@ def run_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from amp_compiler import __version__
+
     parser = argparse.ArgumentParser(prog="amp-compiler", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"amp-compiler {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="convert a zoo model at O1, print the report, compare with fp32, train at O2")
     demo.add_argument("--model", default="bert", help="zoo model: mlp, resnet, bert, gpt, gcn, gat")
@@ -68,7 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=12, help="training steps at O2 (0 to skip)")
     demo.add_argument("--train-dtype", default="float16",
                       help="dtype of the O2 training steps (default float16: shows dynamic loss scaling)")
+    demo.add_argument("--html", metavar="OUT.html",
+                      help="where to write the picture of the graph (default: the temporary folder)")
     demo.set_defaults(func=run_demo)
+    from amp_compiler.insight import cli as insight_cli
+
+    insight_cli.add_insight_parsers(sub)
     from amp_compiler.onnx import cli as onnx_cli
 
     onnx_cli.add_export_parser(sub)
@@ -80,8 +95,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as error:
-        print(f"amp-compiler: error: {error}", file=sys.stderr)
+    except (ValueError, TypeError) as error:
+        print(f"amp-compiler {args.command}: error: {error}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,162 @@
+"""The `explain`, `compare` and `render` subcommands, for amp_compiler/cli.py to mount on its parser.
+
+    amp-compiler explain MODULE:FACTORY [--level O2] [--dtype bf16] [--only fp32] [--html out.html]
+    amp-compiler compare MODULE:FACTORY [--level O2] [--rtol 0.01]
+    amp-compiler render  model_fp16.onnx out.html      (or MODULE:FACTORY out.html / out.svg)
+
+MODULE:FACTORY names a function to call (with --kwarg NAME=VALUE keywords): MODULE is a module importable
+from the current directory (`mymodels`, `pkg.models`) or a file path (`path/to/mymodels.py`). The
+factory returns the fp32 model and its example inputs: a pair `(model, example_inputs)`, where
+example_inputs is a tuple of positional inputs (or one tensor), or an object with `.model` and
+`.example_inputs` (the repository's zoo: `models:build --kwarg name=gpt`). A handler returns the exit
+code: 0 ok, 1 when compare finds the outputs past tolerance, 2 for a usage error (printed as one line).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from amp_compiler.onnx.cli import LEVEL_CHOICES_HELP, _keyword   # the export command's --kwarg and --level
+
+
+def add_insight_parsers(subparsers) -> None:
+    explain = subparsers.add_parser("explain", help="convert MODULE:FACTORY's model and print what it decided",
+                                    description="Convert the factory's model and print the report's summary "
+                                                "(the table too with --table or a filter).")
+    _add_model(explain)
+    explain.add_argument("--only", help="rows of one precision: low, fp32, cast, untouched or a dtype name")
+    explain.add_argument("--module", help="rows under module paths matching this glob (encoder.*)")
+    explain.add_argument("--op", help="rows whose canonical op matches this glob (softmax)")
+    explain.add_argument("--table", action="store_true", help="print every node's row, grouped by module")
+    explain.add_argument("--html", metavar="OUT.html", help="also write the picture of the graph (render)")
+    explain.set_defaults(func=run_explain)
+
+    compare = subparsers.add_parser("compare", help="per-node error of the converted model against fp32",
+                                    description="Convert the factory's model, run both on its example inputs "
+                                                "and print each node's error, worst first, and the first node "
+                                                "past tolerance. Exit code 1 when the outputs are past it.")
+    _add_model(compare)
+    compare.add_argument("--rtol", type=float, help="tolerance relative to each value's scale "
+                                                    "(default 0.01 for float16, 0.05 for bfloat16)")
+    compare.set_defaults(func=run_compare)
+
+    render = subparsers.add_parser("render", help="draw a converted model or an ONNX file as one HTML/SVG file",
+                                   description="Write the picture of SOURCE: an .onnx file (precision from its "
+                                               "types) or MODULE:FACTORY (converted first).")
+    render.add_argument("source", metavar="MODEL.onnx|MODULE:FACTORY")
+    render.add_argument("output", metavar="OUT.html")
+    _add_model(render, with_source=False)
+    render.set_defaults(func=run_render)
+
+
+def _add_model(parser: argparse.ArgumentParser, with_source: bool = True) -> None:
+    if with_source:
+        parser.add_argument("factory", metavar="MODULE:FACTORY",
+                            help="e.g. mymodels:make, path/to/mymodels.py:make or models:build --kwarg name=gpt")
+    parser.add_argument("--kwarg", action="append", default=[], metavar="NAME=VALUE",
+                        help="keyword argument for the factory; VALUE is a Python literal or else a string")
+    parser.add_argument("--level", default="O1", help=LEVEL_CHOICES_HELP)
+    parser.add_argument("--dtype", default="float16", help="float16/fp16 (default) or bfloat16/bf16")
+
+
+def run_explain(args) -> int:
+    import amp_compiler
+
+    model, inputs, gm = _converted(args)
+    report = amp_compiler.explain(gm, only=args.only, module=args.module, op=args.op)
+    filtered = any(v is not None for v in (args.only, args.module, args.op))
+    print("\n".join(report.summary_lines()))
+    if args.table or filtered:
+        print("\n".join(report.table_lines()))
+    else:
+        print(f"({report.totals['rows']} rows: --table prints them, --only/--module/--op filter them)")
+    if args.html:
+        print(f"graph written to {amp_compiler.render(gm, args.html).resolve()} (open it in a browser)")
+    return 0
+
+
+def run_compare(args) -> int:
+    import amp_compiler
+
+    model, inputs, gm = _converted(args)
+    report = amp_compiler.compare(model, gm, inputs, rtol=args.rtol)
+    print(report)
+    return 0 if report.passed else 1
+
+
+def run_render(args) -> int:
+    import amp_compiler
+
+    if args.source.lower().endswith(".onnx"):
+        if not Path(args.source).is_file():
+            raise ValueError(f"{args.source}: no such file")
+        source = args.source
+    else:
+        args.factory = args.source
+        source = _converted(args)[2]
+    print(f"graph written to {amp_compiler.render(source, args.output).resolve()} (open it in a browser)")
+    return 0
+
+
+def _converted(args) -> tuple[nn.Module, tuple, torch.fx.GraphModule]:
+    import amp_compiler
+
+    model, inputs = load_factory(args.factory, args.kwarg)
+    dtype = amp_compiler.config.resolve_dtype(args.dtype)
+    return model, inputs, amp_compiler.convert(model, args.level, dtype=dtype, example_inputs=inputs)
+
+
+def load_factory(spec: str, kwargs: list[str] = ()) -> tuple[nn.Module, tuple]:
+    """Call MODULE:FACTORY (MODULE: importable from the current directory, or a .py file's path) and
+    return (model, example_inputs) from what it returns; errors say where the module was looked for."""
+    module_name, _, attribute = spec.rpartition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"expected MODULE:FACTORY (mymodels:make or path/to/mymodels.py:make), got {spec!r}")
+    module, where = _import(module_name)
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ValueError(f"{where} has no function {attribute!r}; it defines: {', '.join(defined) or 'nothing callable'}")
+    made = factory(**dict(_keyword(k) for k in kwargs))
+    if hasattr(made, "model") and hasattr(made, "example_inputs"):
+        made = (made.model, made.example_inputs)
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module)):
+        raise TypeError(f"{spec} returned {type(made).__name__}; a factory returns (model, example_inputs) "
+                        "or an object with .model and .example_inputs")
+    model, inputs = made
+    return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def _import(name: str):
+    """The module and where it came from; a path (a / or .py) is loaded from that file."""
+    if name.endswith(".py") or os.sep in name or "/" in name:
+        path = Path(name).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"cannot load {name}: no such file (looked for {path})")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.parent))      # the file's own imports of its neighbours work
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(path.parent))
+        return module, f"{path}"
+    cwd = os.getcwd()
+    if cwd not in sys.path:   # like `python -m`: the current directory's modules are importable
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name.split(".")[0] and error.name != name:
+            raise                                    # the module exists; something it imports does not
+        raise ValueError(f"cannot import module {name!r}: looked in the current directory ({cwd}) and on "
+                         f"Python's path; give a file path instead (path/to/{name.replace('.', '/')}.py:FACTORY)") \
+            from None
+    return module, f"module {name} ({getattr(module, '__file__', None) or 'built in'})"

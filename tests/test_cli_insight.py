@@ -1,0 +1,102 @@
+"""amp-compiler explain / compare / render / --version, and how MODULE:FACTORY is found."""
+import json
+import os
+import textwrap
+
+import pytest
+
+import amp_compiler
+from amp_compiler.cli import main
+
+FACTORY = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    class Planted(nn.Module):
+        """An activation scaled by 1e5 between two matmuls: inf in float16, fine in bfloat16."""
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.softmax(self.b(self.a(x) * 400 * 250), -1)
+
+
+    def planted(batch=4):
+        torch.manual_seed(0)
+        return Planted(), (torch.randn(batch, 8),)
+
+
+    def not_a_pair():
+        return 3
+''')
+
+
+@pytest.fixture
+def factory_dir(tmp_path, monkeypatch):
+    (tmp_path / "cli_factories.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(__import__("sys").modules, "cli_factories", raising=False)
+    return tmp_path
+
+
+def test_explain_prints_the_summary_and_says_where_the_picture_went(factory_dir, capsys):
+    assert main(["explain", "cli_factories:planted", "--html", "g.html"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("amp-compiler report: level O1 (asked O1), float16")
+    assert "rows: --table prints them" in out and "by module" not in out
+    assert f"graph written to {factory_dir / 'g.html'}" in out and (factory_dir / "g.html").stat().st_size > 10_000
+
+
+def test_explain_filters_and_options_reach_convert(factory_dir, capsys):
+    assert main(["explain", "cli_factories:planted", "--only", "fp32"]) == 0
+    out = capsys.readouterr().out
+    rows = out[out.index("rows (only='fp32')"):].splitlines()
+    assert "1 of 11 rows (only='fp32')" in out and rows[2].split()[:3] == ["softmax", "softmax", "float32"]
+    assert main(["explain", "cli_factories:planted", "--level", "O2", "--dtype", "bf16", "--only", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "level O2 (asked O2), bfloat16" in out and "0 of 11 rows (only='fp32')" in out   # O2: softmax too
+    assert main(["explain", "cli_factories:planted", "--table"]) == 0
+    assert "11 rows, by module" in capsys.readouterr().out
+
+
+def test_compare_exits_1_where_fp16_overflows_and_0_where_bf16_holds_it(factory_dir, capsys):
+    assert main(["compare", str(factory_dir / "cli_factories.py") + ":planted"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "first node past tolerance: mul_1 (mul) float16" in out
+    assert main(["compare", "cli_factories:planted", "--dtype", "bfloat16", "--kwarg", "batch=2"]) == 0
+    assert "passed" in capsys.readouterr().out
+
+
+def test_render_draws_an_onnx_file_and_a_factory(factory_dir, capsys):
+    import torch
+    model, inputs = __import__("cli_factories").planted()
+    amp_compiler.export_onnx(model, inputs, factory_dir / "planted.onnx", dtype=torch.bfloat16)
+    assert main(["render", "planted.onnx", "onnx.html"]) == 0
+    assert main(["render", "cli_factories:planted", "fx.html", "--level", "O2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("graph written to") == 2
+    onnx_page, fx_page = ((factory_dir / page).read_text() for page in ("onnx.html", "fx.html"))
+    assert "<title>planted.onnx: amp-compiler precision graph</title>" in onnx_page and "bfloat16" in onnx_page
+    assert "<title>Planted: amp-compiler precision graph</title>" in fx_page and "O2 (asked O2), float16" in fx_page
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"amp-compiler {amp_compiler.__version__}"
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("nowhere_module:make", "cannot import module 'nowhere_module': looked in the current directory ({cwd})"),
+    ("cli_factories:missing", "has no function 'missing'; it defines: Planted, not_a_pair, planted"),
+    ("cli_factories:not_a_pair", "cli_factories:not_a_pair returned int; a factory returns (model, example_inputs)"),
+    ("no/such/file.py:make", "cannot load no/such/file.py: no such file (looked for {cwd}"),
+    ("just_a_name", "expected MODULE:FACTORY"),
+])
+def test_a_factory_that_cannot_be_loaded_says_where_it_looked(factory_dir, capsys, spec, message):
+    assert main(["explain", spec]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("amp-compiler explain: error: ") and message.format(cwd=os.getcwd()) in err
