@@ -126,11 +126,47 @@ def test_an_onnx_file_is_drawn_from_its_types_with_the_reports_rules(onnx_fp16, 
     assert "pass report=" in bare["rules"][next(n for n in bare["nodes"] if n["op"] == "Softmax")["rule"]]
 
 
-def test_only_html_is_written(gpt_o1, tmp_path):
-    with pytest.raises(ValueError, match="writes .html"):
+def test_only_html_and_svg_are_written(gpt_o1, tmp_path):
+    with pytest.raises(ValueError, match="writes .html or .svg"):
         render(gpt_o1, tmp_path / "graph.png")
     with pytest.raises(ValueError, match="returned by amp_compiler.convert"):
         render(torch.fx.symbolic_trace(nn.Linear(2, 2)), tmp_path / "graph.html")
+
+
+def svg_nodes(path) -> list:
+    import xml.etree.ElementTree as ET
+    root = ET.parse(path).getroot()                 # well-formed XML
+    ns = "{http://www.w3.org/2000/svg}"
+    assert root.tag == f"{ns}svg" and root.find(f"{ns}style") is not None
+    return [(g.get("class").split(), g.find(f"{ns}title").text) for g in root.iter(f"{ns}g") if g.get("data-index")], \
+        root.findall(f".//{ns}path[@class]")
+
+
+def test_svg_is_the_same_picture_laid_out_in_python(gpt_o1, tmp_path):
+    path = render(gpt_o1, tmp_path / "graph.svg")
+    view = embedded_view(render(gpt_o1, tmp_path / "graph.html"))
+    drawn, paths = svg_nodes(path)
+    assert len(drawn) == len(view["nodes"]) == len(picture_nodes(gpt_o1))
+    assert [classes[1:3] for classes, _ in drawn] == [[n["kind"], n["precision"]] for n in view["nodes"]]
+    assert sum("island" in classes for classes, _ in drawn) == sum(n["island"] >= 0 for n in view["nodes"]) > 0
+    softmax = next(title for classes, title in drawn if title.startswith("softmax "))
+    assert "float32: deny: " in softmax and "layers.0.attention" in softmax          # the rule as the tooltip
+    edges = [p for p in paths if p.get("class").startswith("edge")]
+    assert len(edges) == sum(len(n["inputs"]) for n in view["nodes"])
+    text = path.read_text()
+    assert "<script" not in text and "href" not in text and "url(" not in text      # static, needs nothing
+    ys = [float(re.search(r"translate\([-\d.]+,([-\d.]+)\)", line).group(1))
+          for line in text.splitlines() if 'data-index="' in line]
+    names = [n["name"] for n in view["nodes"]]
+    for i, node in enumerate(view["nodes"]):                 # data flows down: every input sits above its reader
+        assert all(ys[j] < ys[i] for j in node["inputs"]), names[i]
+
+
+def test_an_onnx_file_is_drawn_as_svg_too(onnx_fp16, tmp_path):
+    path, report = onnx_fp16
+    drawn, _ = svg_nodes(render(path, tmp_path / "onnx.svg", report=report))
+    assert sum("cast" in classes for classes, _ in drawn) == report.casts
+    assert any(title.startswith("node_softmax") or " (Softmax" in title for _, title in drawn)
 
 
 def test_public_name():
