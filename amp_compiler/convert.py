@@ -27,7 +27,7 @@ from amp_compiler.passes.fx.insert_casts import insert_casts, output_value_nodes
 from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
 from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
 from amp_compiler.passes.fx.propagate_values import propagate_values
-from amp_compiler.passes.painting.calibrate_keep_fp32 import keep_out_of_range_fp32
+from amp_compiler.passes.painting.calibrate_ranges import keep_out_of_range_fp32
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline
 from amp_compiler.saved_decisions import preserve_decisions
 from amp_compiler.passes.node_facts import facts

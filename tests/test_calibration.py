@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from amp_compiler import compare, convert, explain
-from amp_compiler.passes.fx import calibrate_ranges
+from amp_compiler.passes.painting import calibrate_ranges
 
 
 class Planted(nn.Module):
