@@ -27,7 +27,7 @@ from amp_compiler.passes.fx.insert_casts import insert_casts, output_value_nodes
 from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
 from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
 from amp_compiler.passes.fx.propagate_values import propagate_values
-from amp_compiler.passes.painting.calibrate_ranges import keep_out_of_range_fp32
+from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline
 from amp_compiler.saved_decisions import preserve_decisions
 from amp_compiler.passes.node_facts import facts
@@ -97,8 +97,7 @@ def _paints(state: FxState) -> bool:
 
 
 def _decide(state: FxState) -> PassResult:
-    ranges = {n.name: facts(n)["range"] for n in state.gm.graph.nodes if "range" in facts(n)}
-    hooks = (keep_out_of_range_fp32(ranges, state.low),) if ranges else ()   # calibrated: range decides too
+    hooks = calibrated_hooks(state.gm.graph.nodes, state.low)   # calibrated: the ranges decide too
     return decide_fx_precision(state.gm, state.config.precision_rules(), painted=hooks)
 
 

@@ -93,3 +93,24 @@ def test_many_samples_get_a_progress_bar(monkeypatch):
     convert(Planted(), "O1", example_inputs=samples(1)[0], calibration_data=samples(3))
     convert(Planted(), "O1", example_inputs=samples(1)[0], calibration_data=samples(calibrate_ranges.PROGRESS_FROM))
     assert shown == [True, None]          # few: none; many: tqdm's own choice (on a terminal)
+
+
+def test_convert_onnx_with_calibration_data_keeps_the_overflowing_nodes_fp32(tmp_path):
+    import numpy as np
+    from amp_compiler import convert_onnx, validate_onnx
+    from onnx_testing import save
+    from test_onnx_validate import overflowing_model           # x @ 100: 120000 for x = 300
+    src = save(overflowing_model(), tmp_path, "fp32.onnx")
+    x = np.full((1, 4), 300.0, np.float32)
+    plain = convert_onnx(src, str(tmp_path / "plain.onnx"))
+    # ONNX Runtime's CPU kernels keep a fused fp16 chain in fp32: the intermediates show the fp16 values
+    assert not validate_onnx(tmp_path / "plain.onnx", src, (x,), compare_intermediates=True).passed
+    data = [(x * scale,) for scale in (0.1, 0.5, 1.0, 1.2)]     # the last two pass 65504
+    report = convert_onnx(src, str(tmp_path / "calibrated.onnx"), calibration_data=data)
+    rules = {row["node"]: (row["precision"], row["rule"]) for row in report.rows}
+    assert rules["first_matmul"] == ("float32", "range: max |x| = 1.4e5 > 65504 on 2 of 4 samples")
+    assert rules["relu"] == ("float32", "range: max |x| = 1.4e5 > 65504 on 2 of 4 samples")
+    assert rules["second_matmul"] == ("float32", "range: reads relu: max |x| = 1.4e5 > 65504 on 2 of 4 samples")
+    assert report.pass_counts["calibrate_ranges"] == {"samples": 4, "nodes_overflowing": 3}
+    assert validate_onnx(tmp_path / "calibrated.onnx", src, (x,), compare_intermediates=True).passed
+    assert plain.pass_counts.keys() == report.pass_counts.keys() - {"calibrate_ranges"}

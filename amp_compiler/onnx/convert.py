@@ -22,7 +22,9 @@ from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.onnx.files import (check_writable, copy_onnx_file, has_external_tensors, has_float_tensors,
                                      load_onnx_model, save_onnx_model, weight_bytes)
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts, decision_rows
+from amp_compiler.passes.onnx.calibrate_ranges import record_onnx_ranges
 from amp_compiler.passes.onnx.decide_precision import decide_onnx_precision
+from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks
 from amp_compiler.passes.onnx.declare_initializer_inputs import declare_initializer_inputs
 from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
 from amp_compiler.passes.onnx.infer_types import infer_onnx_types, infers_float_values
@@ -40,7 +42,7 @@ IR_LOW_DTYPES = {torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType
 
 def convert_onnx(src, dst=None, level: str = "O1", *, keep_io_types: bool = True, op_block_list=None,
                  node_block_list=None, dtype=torch.float16, progress: bool | None = None,
-                 **overrides) -> OnnxConversionReport:
+                 calibration_data=None, **overrides) -> OnnxConversionReport:
     """Convert the fp32 ONNX model `src` (a path, an onnx.ModelProto or an onnx_ir.Model) and write the
     mixed-precision model to `dst`; with dst=None nothing is written and `report.model` holds the result
     (an onnx_ir.Model, converted in place, when src is one; else an onnx.ModelProto; src's proto is not
@@ -51,6 +53,8 @@ def convert_onnx(src, dst=None, level: str = "O1", *, keep_io_types: bool = True
     overrides are convert()'s: allow_ops/deny_ops/... (canonical op names) and force_fp32/force_low
     (patterns on node names, or torch module paths when the file came from torch.onnx.export).
     progress: a progress bar on stderr (None: only when the model's weights take long to process).
+    calibration_data: samples (tuples of the graph's inputs); nodes whose fp32 values the low dtype cannot
+    hold on them stay fp32 (passes/onnx/calibrate_ranges.py).
     """
     started = time.perf_counter()
     config = make_config(level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
@@ -68,7 +72,8 @@ def convert_onnx(src, dst=None, level: str = "O1", *, keep_io_types: bool = True
             _write_unchanged(src, model, dst, report)
         else:
             report.pass_counts = run_onnx_pipeline(model, config, op_block_list=op_block_list,
-                                                   node_block_list=node_block_list, on_pass=steps.advance)
+                                                   node_block_list=node_block_list, on_pass=steps.advance,
+                                                   calibration_data=calibration_data)
             _write(src, model, dst, report, steps)
     report.rows = decision_rows(model, config.low_dtype_name)
     report.casts, report.weight_bytes_after = count_casts(model), weight_bytes(model)
@@ -107,6 +112,7 @@ class OnnxState:
     config: AmpConfig
     op_block_list: tuple[str, ...] = ()
     node_block_list: tuple[str, ...] = ()
+    calibration_data: object = None
 
     @property
     def low(self) -> ir.DataType:
@@ -128,10 +134,13 @@ ONNX_PIPELINE = Pipeline("onnx", (
     Pass("sort", lambda s: sort_nodes(s.model)),
     Pass("canonicalize", lambda s: onnx_canonicalize(s.model)),
     Pass("infer_types:fill", lambda s: infer_onnx_types(s.model, verify_rewrite=False)),   # what is float
+    Pass("calibrate_ranges", lambda s: record_onnx_ranges(s.model, s.calibration_data, s.config.low_dtype),
+         when=lambda s: s.calibration_data is not None, when_says="with calibration_data"),   # fp32 runs on samples
     Pass("strip_float_casts", lambda s: strip_onnx_float_casts(s.model)),   # records source dtypes, painting decides
     Pass("decide_precision", lambda s: decide_onnx_precision(s.model, s.config.precision_rules(), s.low,
                                                              op_block_list=s.op_block_list,
-                                                             node_block_list=s.node_block_list)),
+                                                             node_block_list=s.node_block_list,
+                                                             painted=calibrated_hooks(s.model.graph, s.config.low_dtype))),
     Pass("store_moved_weights_low", lambda s: store_moved_onnx_weights_low(s.model, s.low)),   # revisits fp32 movers
     Pass("insert_casts", lambda s: insert_onnx_casts(s.model, s.low, s.config.keep_io_types)),
     Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # weights, constants, chains, duplicates
@@ -145,13 +154,13 @@ ONNX_PIPELINE = Pipeline("onnx", (
 
 
 def run_onnx_pipeline(model: ir.Model, config: AmpConfig, *, op_block_list=(), node_block_list=(),
-                      on_pass=None) -> dict:
+                      on_pass=None, calibration_data=None) -> dict:
     """Run ONNX_PIPELINE on `model` (in place); returns what each pass counted, by pass. on_pass(name) is
     called as each pass starts."""
     if not config.level_spec.paints:
         return {}
     pipeline = ONNX_PIPELINE if on_pass is None else _announcing(ONNX_PIPELINE, on_pass)
-    return pipeline.run(OnnxState(model, config, tuple(op_block_list), tuple(node_block_list)))
+    return pipeline.run(OnnxState(model, config, tuple(op_block_list), tuple(node_block_list), calibration_data))
 
 
 def _announcing(pipeline: Pipeline, on_pass) -> Pipeline:

@@ -20,6 +20,8 @@ import networkx as nx
 import torch
 from tqdm.auto import tqdm
 
+from amp_compiler.passes.node_facts import facts
+
 MOSTLY = 0.5          # a node whose values are more than half below the normal range is kept fp32
 PROGRESS_FROM = 8     # samples; fewer run without a progress bar
 
@@ -93,6 +95,12 @@ def range_rule(figures: dict, low_dtype: torch.dtype) -> str | None:
 def _short(value: float) -> str:
     """7.1e4 rather than 7.1e+04."""
     return f"{value:.2g}".replace("e+0", "e").replace("e-0", "e-").replace("e+", "e")
+
+
+def calibrated_hooks(nodes: Iterable, low_dtype: torch.dtype) -> tuple:
+    """The painted hooks for decide(): keep_out_of_range_fp32 when calibration recorded ranges, else none."""
+    ranges = {node.name: facts(node)["range"] for node in nodes if "range" in facts(node)}
+    return (keep_out_of_range_fp32(ranges, low_dtype),) if ranges else ()
 
 
 def keep_out_of_range_fp32(ranges: dict[str, dict], low_dtype: torch.dtype) -> Callable[[nx.DiGraph], None]:
