@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from amp_compiler import compare, convert, explain
-from amp_compiler.passes.fx.constant_range import FP16RangeWarning
+from amp_compiler import FP16RangeWarning
 from test_compare import MaskedAttention      # masked_fill(-1e9), then softmax: float16 at O2/O3
 
 
