@@ -62,10 +62,13 @@ def _constant_beyond_fp16(gm: fx.GraphModule, node: fx.Node) -> float | None:
         tensor = reduce(getattr, node.target.split("."), gm)
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.numel() == 0:
             return None
-        finite = tensor.detach()[tensor.detach().isfinite()]
-        if finite.numel() == 0:
-            return None
-        value = finite.flatten()[finite.abs().argmax()].item()
+        low, high = (v.item() for v in torch.aminmax(tensor.detach()))   # no copy of a large weight
+        if not (abs(low) < float("inf") and abs(high) < float("inf")):   # inf/nan inside: the finite ones
+            finite = tensor.detach()[tensor.detach().isfinite()]
+            if finite.numel() == 0:
+                return None
+            low, high = finite.min().item(), finite.max().item()
+        value = low if -low > high else high
         return value if abs(value) > FP16_MAX else None
     if node.op in ("call_function", "call_method", "call_module") and facts(node).get("precision") is not None:
         return _out_of_fp16_range(node)
