@@ -163,3 +163,11 @@ def test_an_ir3_model_converts_to_a_file_the_checker_accepts(tmp_path):
     x = RNG.standard_normal((2, 4)).astype(np.float32)
     (out,), (ref,) = run(dst, {"x": x}), run(src, {"x": x})
     assert np.allclose(out, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_progress_is_shown_on_request_and_not_for_quick_conversions(tmp_path, capsys):
+    src = save(small_model(), tmp_path, "src.onnx")
+    convert_onnx(src, str(tmp_path / "quiet.onnx"))   # default: only past PROGRESS_AFTER_SECONDS, on a terminal
+    assert "convert_onnx" not in capsys.readouterr().err
+    convert_onnx(src, str(tmp_path / "shown.onnx"), progress=True)
+    assert "convert_onnx" in capsys.readouterr().err
