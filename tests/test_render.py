@@ -217,13 +217,13 @@ def test_chromium_draws_an_onnx_page(onnx_fp16, tmp_path):
 @needs_browser
 def test_a_2000_node_graph_opens_collapsed_by_module_and_expands(deep_gpt, tmp_path):
     nodes = picture_nodes(deep_gpt)
-    assert len(nodes) > 1900
+    assert len(nodes) > 1800            # 2,013 when written; fewer casts since (1,893 with O1 norms mixed)
     page = render(deep_gpt, tmp_path / "deep.html")
     dom = headless(page, "--dump-dom").stdout
     data = body_data(dom)
     assert data["ready"] == "1" and int(data["items"]) <= 300
     members = sum(int(m) for m in re.findall(r'class="group-item" data-group="[^"]+" data-members="(\d+)"', dom))
-    assert members > 1900 and members + int(data["nodes"]) == len(nodes)      # every node drawn or inside a box
+    assert members > 0.85 * len(nodes) and members + int(data["nodes"]) == len(nodes)      # every node drawn or inside a box
     assert 'data-group="layers.39"' in dom
     expanded = body_data(headless(page, "--dump-dom", fragment="#expand-all").stdout)
     assert int(expanded["nodes"]) == len(nodes)
