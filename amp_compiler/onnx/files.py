@@ -12,6 +12,7 @@ read-only folder, a path under a file) is an UnwritableDestinationError naming i
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -86,18 +87,19 @@ def weight_bytes(model: ir.Model) -> int:
 
 def check_writable(path) -> str:
     """The destination as a string, after making its folder; UnwritableDestinationError when it cannot be
-    written (root ignores permission bits, so the real test is creating a file there)."""
+    written. os.access says no for read-only folders and file systems; where it cannot tell (root ignores
+    permission bits), creating the temporary file is the last check."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UnwritableDestinationError(f"{path}: cannot write the model there: it is a directory")
     try:
         os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
     except OSError as error:
-        raise UnwritableDestinationError(f"{path}: cannot write the model there: "
-                                         f"{error.strerror or error} ({folder})") from None
+        raise UnwritableDestinationError(f"{path}: cannot write the model there: {error.strerror} ({folder})") \
+            from None
+    if not os.access(folder, os.W_OK):
+        raise UnwritableDestinationError(f"{path}: cannot write the model there: permission denied ({folder})")
     return path
 
 
@@ -110,46 +112,52 @@ def save_onnx_model(model: ir.Model, path, *, external_data: bool | None = None,
         external_data = has_external_tensors(model) or weight_bytes(model) > EXTERNAL_DATA_THRESHOLD_BYTES
     if not external_data:
         _load_external_tensors(model)
-    with _staging_folder(path) as staging:
-        staged = os.path.join(staging, os.path.basename(path))
-        data_name = os.path.basename(path) + ".data"
-        if external_data:
-            ir.save(model, staged, external_data=data_name, size_threshold_bytes=EXTERNAL_TENSOR_MIN_BYTES,
-                    callback=callback)
-            os.replace(os.path.join(staging, data_name), os.path.join(os.path.dirname(os.path.abspath(path)),
-                                                                      data_name))
-        else:
+        with _staged_file(path) as staged:
             ir.save(model, staged)
+        return
+    # The model names its data file, so both are staged under their final names in a folder of their own.
+    folder, data_name = os.path.dirname(os.path.abspath(path)), os.path.basename(path) + ".data"
+    staging = _make_staging(path, tempfile.mkdtemp, prefix=".amp-compiler-", dir=folder)
+    try:
+        staged = os.path.join(staging, os.path.basename(path))
+        ir.save(model, staged, external_data=data_name, size_threshold_bytes=EXTERNAL_TENSOR_MIN_BYTES,
+                callback=callback)
+        os.replace(os.path.join(staging, data_name), os.path.join(folder, data_name))
         os.replace(staged, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def copy_onnx_file(source, path) -> None:
-    """`source`'s bytes (and its .data file, if it has one beside it) at `path`, atomically."""
+    """`source`'s bytes at `path`, atomically (for a model without external data)."""
     source, path = os.fspath(source), check_writable(path)
     if os.path.exists(path) and os.path.samefile(source, path):
         return
-    with _staging_folder(path) as staging:
-        staged = os.path.join(staging, os.path.basename(path))
+    with _staged_file(path) as staged:
         shutil.copyfile(source, staged)
+
+
+@contextlib.contextmanager
+def _staged_file(path: str):
+    """A temporary file beside `path` (same file system: os.replace is an atomic rename) that becomes
+    `path` when the block ends without error, and is removed when it does not."""
+    handle, staged = _make_staging(path, tempfile.mkstemp, prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                   dir=os.path.dirname(os.path.abspath(path)))
+    os.close(handle)
+    try:
+        yield staged
         os.replace(staged, path)
+    finally:
+        if os.path.exists(staged):
+            os.remove(staged)
 
 
-class _staging_folder:
-    """A temporary folder beside `path` (same file system, so os.replace is an atomic rename), removed
-    with whatever is left in it."""
-
-    def __init__(self, path: str):
-        self.folder = os.path.dirname(os.path.abspath(path))
-
-    def __enter__(self) -> str:
-        try:
-            self.staging = tempfile.mkdtemp(prefix=".amp-compiler-", dir=self.folder)
-        except OSError as error:
-            raise UnwritableDestinationError(f"{self.folder}: cannot write there: {error.strerror}") from None
-        return self.staging
-
-    def __exit__(self, *exc) -> None:
-        shutil.rmtree(self.staging, ignore_errors=True)
+def _make_staging(path: str, make, **where):
+    try:
+        return make(**where)
+    except OSError as error:
+        raise UnwritableDestinationError(f"{path}: cannot write the model there: {error.strerror} "
+                                         f"({where['dir']})") from None
 
 
 def _tensors(model: ir.Model):
