@@ -86,3 +86,35 @@ def test_amp_cast_touches_only_castable_floats():
         assert amp_cast(value, torch.float16) is value
     nested = amp_cast((torch.ones(1), [torch.ones(1, dtype=torch.int32)], 3), torch.bfloat16)
     assert nested[0].dtype == torch.bfloat16 and nested[1][0].dtype == torch.int32 and nested[2] == 3
+
+
+class TiedWeights(nn.Module):
+    """`b` shares `a`'s weight, `head` the embedding's; `a` runs twice (a shared block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.a, self.b = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.b.weight, self.head.weight = self.a.weight, self.emb.weight
+
+    def forward(self, tokens):
+        x = self.a(torch.relu(self.b(self.a(self.emb(tokens)))))
+        return self.head(x + torch.nn.functional.linear(x, self.b.weight))
+
+
+def test_a_weight_read_under_several_names_or_by_several_calls_is_cast_once():
+    import operator
+
+    import amp_compiler
+    from amp_testing import AtenDtypeRecorder
+    model, tokens = TiedWeights(), torch.randint(0, 10, (2, 5))
+    for example_inputs in (None, (tokens,)):
+        gm = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=example_inputs)
+        weight_casts = [operator.attrgetter(c.args[0].target)(gm) for c in gm.graph.nodes
+                        if c.target is amp_cast and c.args[0].op == "get_attr"]
+        assert len(weight_casts) == len({id(w) for w in weight_casts}) == 4   # a.weight, a.bias, b.bias, head
+        gm.graph.lint()
+        with AtenDtypeRecorder() as recorder:
+            out = gm(tokens)
+        assert len(recorder.calls["_to_copy"]) == 6   # the 4 weights, the embedding's output, the output to fp32
+        assert torch.allclose(out, model(tokens), rtol=0.05, atol=0.05 * model(tokens).abs().max().item())

@@ -71,3 +71,14 @@ def test_every_level_reads_its_entry(name):
     assert (default_loss_scale_manager(name, torch.float16) is not None) == (level.loss_scaling == "dynamic")
     assert level.master_weights == "fp32"
     assert levels.level_of(name) is level
+
+
+def test_mixed_kernel_norms_are_a_table_entry(monkeypatch):
+    # O1 runs batch/layer/group norms on low activations with fp32 weights because its entry says so.
+    assert LEVELS["O1"].mixed_norms == "allow" and LEVELS["O0"].mixed_norms is None
+    assert make_config("O1").precision_rules().classify("batch_norm")[0] == "allow"
+    monkeypatch.setitem(LEVELS, "O1", dataclasses.replace(LEVELS["O1"], mixed_norms=None))
+    rules = make_config("O1").precision_rules()
+    assert rules.classify("batch_norm")[0] == "deny" and not rules.keeps_fp32_weights("batch_norm")
+    gm = amp_compiler.convert(LinearNormNet(), "O1", example_inputs=(torch.randn(2, 8),))
+    assert {n.meta["amp"]["precision"] for n in gm.graph.nodes if n.meta["amp"].get("op") == "layer_norm"} == {"fp32"}

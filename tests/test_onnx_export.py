@@ -66,9 +66,17 @@ def test_o3_norm_weights_follow_the_fp16_data(tmp_path, net):
     assert report.pass_counts["unify_input_types"]["mixed_dtype_inputs_cast"] == 2
 
 
-def test_o1_norm_stays_fp32(tmp_path, net):
+def test_o1_norm_reads_the_fp16_data_with_fp32_statistics(tmp_path, net):
+    """O1 runs norms as mixed kernels in torch (tests/test_mixed_norms.py). ONNX ties LayerNormalization's
+    scale to its data's type, so the scale follows the fp16 data; the statistics stay fp32 (stash_type)."""
     path = str(tmp_path / "o1.onnx")
     export_onnx(net, torch.randn(2, 8), path)       # a single tensor is accepted for args
+    assert_valid(path)
+    model = onnx.load(path)
+    norm = next(n for n in all_nodes(model) if n.op_type == "LayerNormalization")
+    assert input_types(model, norm)[0] == F16
+    assert next((a.i for a in norm.attribute if a.name == "stash_type"), onnx.TensorProto.FLOAT) == onnx.TensorProto.FLOAT
+    export_onnx(net, torch.randn(2, 8), path, keep_batchnorm_fp32=False)   # the norm in fp32 between casts
     model = onnx.load(path)
     norm = next(n for n in all_nodes(model) if n.op_type == "LayerNormalization")
     assert input_types(model, norm)[0] == F32

@@ -99,6 +99,8 @@ class FxNodes:
     def record(self, node: fx.Node, amp: dict, painted: dict | None, rules: PrecisionRules) -> None:
         if painted is not None:
             amp["fp32_weights"] = amp["precision"] == "low" and rules.keeps_fp32_weights(amp["op"])
+            if amp["fp32_weights"] and amp["reason"] not in amp["rule"]:   # painted by a neighbour: say why
+                amp["rule"] = f"{amp['rule']}; mixed kernel: fp32 weights and statistics"
 
 
 def decide_fx_precision(gm: fx.GraphModule, rules: PrecisionRules, painted=()) -> PassResult:

@@ -8,6 +8,8 @@ painting) and ["precision"]; new cast nodes carry meta["amp_role"] = "cast".
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -35,12 +37,14 @@ def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, why: str) -> 
 def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: list,
                  keep_io_types: bool = True) -> PassResult:
     graph = gm.graph
+    tied = first_reader_of_each_tensor(gm)
     shared: dict[tuple[fx.Node, torch.dtype, int], fx.Node] = {}
     writes: dict[fx.Node, int] = {}  # in-place writes seen so far: a cast made before one is stale after it
     inserted = 0
 
     def cast_of(value: fx.Node, dtype: torch.dtype, consumer: fx.Node) -> fx.Node:
         nonlocal inserted
+        value = tied.get(value, value)
         key = (value, dtype, writes.get(value, 0))
         if key not in shared:
             with graph.inserting_before(consumer):  # the first reader: later readers share it
@@ -78,6 +82,18 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
             if is_float(have) and is_float(original) and have != original:
                 output.replace_input_with(value, cast_of(value, original, output))
     return PassResult(modified=inserted > 0, counts={"casts_inserted": inserted})
+
+
+def first_reader_of_each_tensor(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """get_attr node -> the first get_attr node that reads the same tensor: tied weights (an embedding and
+    the output layer, torch.export's names for one parameter) get one cast per forward, not one per name."""
+    first: dict[int, fx.Node] = {}
+    tied: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            tensor = operator.attrgetter(node.target)(gm)
+            tied[node] = first.setdefault(id(tensor), node)
+    return tied
 
 
 def output_value_nodes(gm: fx.GraphModule) -> list[fx.Node]:

@@ -10,6 +10,8 @@ kernels take low-precision input with fp32 weights and keep fp32 statistics. Onl
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -39,18 +41,29 @@ def _functional_call(module: nn.Module, node: fx.Node):
     return None
 
 
+def _attribute(gm: fx.GraphModule, target: str):
+    return operator.attrgetter(target)(gm)
+
+
 def lower_leaf_modules(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
     graph, changed = gm.graph, 0
-    # One get_attr per attribute, so a module called twice has its weights cast once per forward.
-    getters = {n.target: n for n in graph.nodes if n.op == "get_attr"}
+    # One get_attr per tensor, so a module called twice, or a weight tied to another (an embedding and its
+    # output layer, shared blocks under two names), is cast once per forward.
+    getters = {id(_attribute(gm, n.target)): n for n in graph.nodes if n.op == "get_attr"}
+    seen: set[fx.Node] = set()   # nodes before the reader being lowered
 
-    def getter(target: str) -> fx.Node:  # called at the first reader's insertion point
-        if target not in getters:
-            getters[target] = graph.get_attr(target)
-            getters[target].meta["amp"] = {"op": "get_attr", "class": "io", "precision": None, "rule": "parameter"}
-        return getters[target]
+    def getter(target: str, reader: fx.Node) -> fx.Node:  # called at the reader's insertion point
+        key = id(_attribute(gm, target))
+        if key not in getters:
+            getters[key] = graph.get_attr(target)
+            getters[key].meta["amp"] = {"op": "get_attr", "class": "io", "precision": None, "rule": "parameter"}
+        elif getters[key] not in seen:   # the traced get_attr of a tied weight comes later: read it here
+            reader.prepend(getters[key])
+        seen.add(getters[key])
+        return getters[key]
 
     for node in list(graph.nodes):
+        seen.add(node)
         if node.op != "call_module" or facts(node).get("precision") != "low":
             continue
         module = gm.get_submodule(node.target)
@@ -60,11 +73,11 @@ def lower_leaf_modules(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
         with graph.inserting_before(node):
             if functional is not None:
                 fn, extra = functional
-                weight = getter(f"{node.target}.weight")
-                bias = getter(f"{node.target}.bias") if module.bias is not None else None
+                weight = getter(f"{node.target}.weight", node)
+                bias = getter(f"{node.target}.bias", node) if module.bias is not None else None
                 new = graph.call_function(fn, (node.args[0], weight, bias, *extra))
             else:
-                new = graph.call_function(amp_module_call, (getter(node.target), low, *node.args),
+                new = graph.call_function(amp_module_call, (getter(node.target, node), low, *node.args),
                                           dict(node.kwargs))
         new.meta = node.meta
         node.replace_all_uses_with(new)
