@@ -10,6 +10,8 @@ The fp32 reference of every node comes from replaying the converted graph with i
 (and opaque bodies as written, without autocast): the same nodes compute in fp32, so each node's value
 is matched with its own fp32 value, node by node. The model itself runs too, to check that the replay
 computes what the model computes (a note says when it does not). Both run in eval mode, without grad.
+validate_onnx(..., compare_intermediates=True) returns the same ComparisonReport for an ONNX file (its
+NodeErrors name ONNX nodes and their output values; tensor_error and worst_chain are shared).
 """
 from __future__ import annotations
 
