@@ -95,6 +95,9 @@ def check_writable(path) -> str:
         raise UnwritableDestinationError(f"{path}: cannot write the model there: it is a directory")
     try:
         os.makedirs(folder, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UnwritableDestinationError(f"{path}: cannot write the model there: a file stands where a folder "
+                                         "of this path should be") from None
     except OSError as error:
         raise UnwritableDestinationError(f"{path}: cannot write the model there: {error.strerror} ({folder})") \
             from None
