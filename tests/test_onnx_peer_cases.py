@@ -1,4 +1,5 @@
-"""onnxconverter-common's float16 tests (microsoft/onnxconverter-common, tests/test_float16.py), ported to
+"""onnxconverter-common's float16 tests (microsoft/onnxconverter-common, tests/test_float16.py) and onnxruntime's
+(onnxruntime/test/python/transformers/test_float16.py: Resize/Upsample chains), ported to
 convert_onnx. Their models are rebuilt with onnx.helper (the originals use onnx_fx tracing and two data
 files); each is converted with keep_io_types True and False, checked, run, and compared with the fp32
 model in ONNX Runtime with their tolerance (np.allclose, atol 1e-2 where they give one)."""
@@ -178,3 +179,52 @@ def test_convert_with_subgraph(tmp_path, x):
     feeds = {"x": np.array([x], np.float32), "y": np.array([2.0], np.float32)}
     results = convert_both_ways(tmp_path, subgraph_model(), feeds, atol=1e-2)
     assert results[True][0].tolist() == [max(x + 2.0, 0.0) if x + 2.0 > 0 else x + 2.0]
+
+
+# onnxruntime's float16 tests (onnxruntime/test/python/transformers/test_float16.py): chains of unnamed Resize
+# (opset 11: X, roi, scales; opset 10: X, scales) and Upsample (opset 9) nodes with value_info everywhere.
+def resize_chain_model(opset: int, count: int, op_type: str = "Resize", named: bool = False):
+    nodes, inits, previous = [], [], "input"
+    for i in range(count):
+        output = f"out_{i}" if i < count - 1 else "output"
+        own = [f"roi_{i}", f"scales_{i}"] if op_type == "Resize" and opset >= 11 else [f"scales_{i}"]
+        nodes.append(helper.make_node(op_type, [previous, *own], [output], mode="nearest",
+                                      name=f"{op_type}_{i}" if named else ""))
+        if len(own) == 2:
+            inits.append(initializer(f"roi_{i}", np.array([], np.float32)))
+        inits.append(initializer(f"scales_{i}", np.array([1.0, 1.0, 2.0, 2.0], np.float32)))
+        previous = output
+    side = 4 * 2 ** count
+    model = make_model(nodes, [tensor_input("input", F32, [1, 1, 4, 4])], [tensor_input("output", F32, [1, 1, side, side])],
+                       inits, opset=opset)
+    model.ir_version = 7
+    return onnx.shape_inference.infer_shapes(model)
+
+
+@pytest.mark.parametrize("opset, op_type", [(11, "Resize"), (10, "Resize"), (9, "Upsample")])
+@pytest.mark.parametrize("level", ["O1", "O3"])
+def test_resize_chains_keep_scales_fp32_and_names_unique(tmp_path, opset, op_type, level):
+    src, dst = save(resize_chain_model(opset, 3, op_type), tmp_path, "src.onnx"), str(tmp_path / "dst.onnx")
+    convert_onnx(src, dst, level)
+    assert_valid(dst)   # unique node names, clean casts, sorted, checker
+    converted = onnx.load(dst)
+    stored = {t.name: t.data_type for t in converted.graph.initializer}
+    assert all(stored[name] == F32 for name in stored if name.startswith(("scales_", "roi_")))
+    outputs = [o for n in converted.graph.node for o in n.output]
+    assert len(outputs) == len(set(outputs))
+    x = RNG.standard_normal((1, 1, 4, 4)).astype(np.float32)
+    (out,), (ref,) = run(dst, {"input": x}), run(src, {"input": x})
+    assert np.allclose(out, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_resize_in_op_block_list_and_fp16_data_input(tmp_path):
+    src = save(resize_chain_model(11, 2), tmp_path, "src.onnx")
+    report = convert_onnx(src, str(tmp_path / "blocked.onnx"), "O3", op_block_list=["Resize"])
+    assert all(r["precision"] == "float32" for r in report.rows if r["op_type"] == "Resize")
+    assert_valid(str(tmp_path / "blocked.onnx"))
+    convert_onnx(src, str(tmp_path / "low_io.onnx"), "O3", keep_io_types=False)   # oc/ORT: the data input is fp16
+    converted = onnx.load(str(tmp_path / "low_io.onnx"))
+    assert converted.graph.input[0].type.tensor_type.elem_type == F16
+    x = RNG.standard_normal((1, 1, 4, 4)).astype(np.float32)
+    (out,), (ref,) = run(str(tmp_path / "low_io.onnx"), {"input": x.astype(np.float16)}), run(src, {"input": x})
+    assert out.dtype == np.float16 and np.allclose(out, ref, rtol=1e-2, atol=1e-2)
