@@ -5,6 +5,7 @@ legacy_names.install()   # before anything else: files saved by the previous rel
 from amp_compiler.train.bad_steps import NonFiniteGradientsError
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert import convert
+from amp_compiler.frozen import freeze, frozen_bytes
 from amp_compiler.frontend import TracingError
 from amp_compiler.train.grad_scaler import GradScaler
 from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
@@ -24,6 +25,7 @@ __all__ += ["LossScaleManager", "FixedLossScaleManager", "DynamicLossScaleManage
             "TrainStep"]
 __all__ += ["GradScaler", "Overflow", "NonFiniteGradientsError"]
 __all__ += ["diff", "PrecisionDiff", "render", "compare", "ComparisonReport", "FP16RangeWarning"]
+__all__ += ["freeze", "frozen_bytes"]
 __all__ += ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionReport", "ValidationReport"]
 __version__ = "0.1.0"
 

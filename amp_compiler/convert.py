@@ -15,6 +15,7 @@ from torch import nn
 
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert_children import convert_children
+from amp_compiler.frozen import freeze as freeze_weights
 from amp_compiler.frontend import TracingError, trace
 from amp_compiler.passes.fx.calibrate_ranges import record_ranges
 from amp_compiler.passes.fx.canonicalize import canonicalize
@@ -34,7 +35,7 @@ from amp_compiler.passes.node_facts import facts
 
 
 def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None = None,
-            dynamic_shapes=None, calibration_data=None, **overrides) -> fx.GraphModule:
+            dynamic_shapes=None, calibration_data=None, freeze: bool = False, **overrides) -> fx.GraphModule:
     """Trace `model` and return a GraphModule whose every node runs in the precision the rules pick.
 
     The result shares the model's parameters and buffers (an optimizer on model.parameters() trains it)
@@ -42,6 +43,7 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     `dynamic_shapes` (torch.export's format) is used when the model needs the torch.export front end;
     by default every dim torch.export can keep dynamic stays dynamic. `calibration_data`: an iterable of
     input tuples; the fp32 model runs on each and nodes whose values the low dtype cannot hold stay fp32.
+    `freeze=True`: inference calls read low-precision weight copies made once (amp_compiler.freeze).
     """
     config = make_config(level, **overrides)
     try:
@@ -49,7 +51,8 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     except TracingError as error:
         if example_inputs is None or not any(True for _ in model.children()):
             raise
-        return convert_children(model, error, convert, level, example_inputs, **overrides)
+        converted = convert_children(model, error, convert, level, example_inputs, **overrides)
+        return freeze_weights(converted) if freeze else converted
     gm = traced.graph_module
     counts = run_pipeline(gm, config, example_inputs, calibration_data)
     gm.meta["amp"] = {
@@ -59,7 +62,7 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
         "pass_counts": counts, "loss_scale_manager": config.loss_scale_manager,
     }
     preserve_decisions(gm)   # explain/render/compare keep working after torch.save / torch.load
-    return gm
+    return freeze_weights(gm) if freeze else gm
 
 
 @dataclass

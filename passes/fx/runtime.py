@@ -4,6 +4,7 @@
     amp_module_call(self.gru, torch.float16, x)          a low leaf with its parameters cast for one call
     amp_opaque_call(self.block, (torch.bfloat16, torch.float32), x)   code fx cannot see into (opaque_calls)
     dropout_p_when_training(p, self.training_flag())     a train flag torch.export baked in (export_capture)
+    amp_frozen_cast(self.amp_frozen_weights, w, torch.bfloat16)   a weight's cached low copy (freeze_weight_casts)
 
 Each is a `graph_leaf`: torch.load re-creates a GraphModule by tracing its generated code again;
 torch.fx.wrap only covers calls by the wrapped name inside the module that wrapped it, so without this
@@ -94,3 +95,10 @@ def amp_opaque_call(callee, policy: tuple, *args, **kwargs):
 @graph_leaf
 def dropout_p_when_training(p: float, training: bool) -> float:
     return p if training else 0.0
+
+
+@graph_leaf
+def amp_frozen_cast(copies, weight, dtype: torch.dtype):
+    """`weight` in `dtype` from `copies` (amp_compiler/frozen.py: FrozenWeights), which makes the copy once
+    and again only when the weight changed; while training or when autograd needs the weight, a plain cast."""
+    return copies.read(weight, dtype)

@@ -1,0 +1,118 @@
+"""Frozen inference: each weight a low-precision op reads is cast once, not on every call.
+
+    gm = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, freeze=True)   # or amp_compiler.freeze(gm)
+    gm.eval()
+    with torch.inference_mode():
+        gm(x)          # first call: casts the weights and keeps the copies; later calls cast no weight
+    amp_compiler.frozen_bytes(gm)   # what the copies cost
+
+A copy is used only while it is still the weight's: same tensor object (load_state_dict(assign=True) or a
+new Parameter replace it), same version counter (optimizer steps, load_state_dict, in-place ops under
+no_grad), same storage and shape (`param.data = t`), and the same values at a sample of positions
+(`param.data.mul_(...)` writes through `.data`, which PyTorch gives a version counter of its own, so only the
+values can tell). Otherwise it is made again. In training mode, or when autograd needs the weight's
+gradient (grad enabled and requires_grad), the weight is cast on every call as before.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from amp_compiler.passes.fx.freeze_weight_casts import freeze_weight_casts
+from amp_compiler.passes.fx.runtime import amp_cast
+
+HOLDER = "amp_frozen_weights"
+SAMPLES = 16   # values compared per call: catches writes through .data that scale, fill or copy the weight
+
+
+@dataclass
+class _Copy:
+    source: weakref.ref
+    version: int
+    storage: tuple
+    sample: torch.Tensor
+    low: torch.Tensor
+
+    @staticmethod
+    def of(weight: torch.Tensor, dtype: torch.dtype) -> "_Copy":
+        with torch.inference_mode(False), torch.no_grad():   # a normal tensor, also made under inference_mode
+            low = weight.detach().to(dtype)
+            return _Copy(weakref.ref(weight), weight._version, _storage(weight), _sample(weight).clone(), low)
+
+    def still_of(self, weight: torch.Tensor) -> bool:
+        return (self.source() is weight and self.version == weight._version and self.storage == _storage(weight)
+                and torch.equal(self.sample, _sample(weight)))
+
+
+def _storage(weight: torch.Tensor) -> tuple:
+    return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype
+
+
+def _sample(weight: torch.Tensor) -> torch.Tensor:
+    flat = weight.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // SAMPLES)]
+
+
+class FrozenWeights(nn.Module):
+    """The low-precision copies of one graph's weights, keyed by (weight, dtype). No parameters, no buffers:
+    the state_dict is the model's; the copies are not saved (torch.save/deepcopy drop them)."""
+
+    def __init__(self):
+        super().__init__()
+        self._copies: dict[tuple[int, torch.dtype], _Copy] = {}
+        self.copies_made = 0
+
+    def read(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.training or (torch.is_grad_enabled() and weight.requires_grad):
+            return amp_cast(weight, dtype)
+        key = (id(weight), dtype)
+        copy = self._copies.get(key)
+        if copy is None or not copy.still_of(weight):
+            copy = self._copies[key] = _Copy.of(weight, dtype)
+            self.copies_made += 1
+        return copy.low
+
+    def nbytes(self) -> int:
+        return sum(c.low.numel() * c.low.element_size() for c in self._copies.values())
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+    def __getstate__(self):
+        state = super().__getstate__().copy()
+        state["_copies"] = {}
+        return state
+
+    def __deepcopy__(self, memo):
+        return FrozenWeights().train(self.training)
+
+
+def _converted_graphs(model: nn.Module) -> list[fx.GraphModule]:
+    return [m for m in model.modules() if isinstance(m, fx.GraphModule) and "amp" in m.meta
+            and not hasattr(m, HOLDER)]
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Let every converted graph in `model` (a convert() result, or a model whose children convert() converted)
+    keep low-precision copies of the weights it casts; returns `model`, changed in place. Copies are made on
+    the first inference call; call it in eval mode under torch.no_grad()/inference_mode()."""
+    graphs = _converted_graphs(model)
+    if not graphs and not any(hasattr(m, HOLDER) for m in model.modules()):
+        raise TypeError(f"freeze() takes what amp_compiler.convert() returned; {type(model).__name__} holds no "
+                        "converted graph")
+    for gm in graphs:
+        gm.add_submodule(HOLDER, FrozenWeights().train(gm.training))
+        counts = freeze_weight_casts(gm, HOLDER).counts
+        gm.graph.lint()
+        gm.recompile()
+        gm.meta["amp"]["frozen"] = counts
+    return model
+
+
+def frozen_bytes(model: nn.Module) -> int:
+    """Bytes the low-precision weight copies of `model`'s frozen graphs hold now."""
+    return sum(m.nbytes() for m in model.modules() if isinstance(m, FrozenWeights))

@@ -1,0 +1,41 @@
+"""Read the low-precision copy of a weight from a cache instead of casting it on every call (frozen inference).
+
+    w_bf16 = amp_cast(self.fc.weight, torch.bfloat16)
+        ->   w_bf16 = amp_frozen_cast(self.amp_frozen_weights, self.fc.weight, torch.bfloat16)
+Only casts of a parameter or buffer read with get_attr change; activation casts stay. The cache
+(amp_compiler/frozen.py: FrozenWeights, a child module named `holder`) decides at run time whether its
+copy is still the weight's: it checks the weight's identity, version counter, storage and a sample of its
+values, and casts afresh while training. Runs on a converted graph, after the fx pipeline.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from amp_compiler.passes.fx.runtime import amp_frozen_cast, is_cast, is_float
+from amp_compiler.passes.runner import PassResult
+
+
+def freeze_weight_casts(gm: fx.GraphModule, holder: str) -> PassResult:
+    graph, frozen = gm.graph, 0
+    holder_node = None
+    for cast in [n for n in graph.nodes if is_cast(n)]:
+        source, dtype = cast.args[:2]
+        if source.op != "get_attr" or cast.kwargs or len(cast.args) != 2:
+            continue
+        weight = operator.attrgetter(source.target)(gm)
+        if not isinstance(weight, torch.Tensor) or not is_float(weight.dtype):
+            continue
+        if holder_node is None:
+            first_compute = next(n for n in graph.nodes if n.op != "placeholder")
+            with graph.inserting_before(first_compute):
+                holder_node = graph.get_attr(holder)
+            holder_node.meta["amp"] = {"op": "get_attr", "class": "io", "precision": None,
+                                       "rule": "frozen inference: the cache of low-precision weight copies"}
+        cast.target = amp_frozen_cast
+        cast.args = (holder_node, source, dtype)
+        cast.meta["amp"] = {**cast.meta.get("amp", {}), "rule": f"frozen: {source.target} cast once, cached"}
+        frozen += 1
+    return PassResult(modified=frozen > 0, counts={"weight_casts_frozen": frozen})
