@@ -52,7 +52,7 @@ def convert_onnx(src, dst=None, level: str = "O1", *, keep_io_types: bool = True
     op_block_list: ONNX op types kept fp32 ("Softmax"); node_block_list: node names kept fp32. Keyword
     overrides are convert()'s: allow_ops/deny_ops/... (canonical op names) and force_fp32/force_low
     (patterns on node names, or torch module paths when the file came from torch.onnx.export).
-    progress: a progress bar on stderr (None: only when the model's weights take long to process).
+    progress: a progress bar on stderr (None: only for a conversion past PROGRESS_AFTER_SECONDS, on a terminal).
     calibration_data: samples (tuples of the graph's inputs); nodes whose fp32 values the low dtype cannot
     hold on them stay fp32 (passes/onnx/calibrate_ranges.py).
     """
@@ -65,7 +65,7 @@ def convert_onnx(src, dst=None, level: str = "O1", *, keep_io_types: bool = True
     report = OnnxConversionReport(_describe(src), "(returned)" if dst is None else dst, config.level,
                                   config.low_dtype_name, config.keep_io_types, casts_in_source=count_casts(model),
                                   weight_bytes_before=weight_bytes(model))
-    with ConversionProgress(model, len(ONNX_PIPELINE.passes) + 1, enabled=progress) as steps:
+    with ConversionProgress(len(ONNX_PIPELINE.passes) + 1, enabled=progress) as steps:
         if not has_float_tensors(model) and not infers_float_values(model):
             report.notes.append("nothing to convert: no float32/float16/bfloat16 tensor, even after type "
                                 "inference; the model is " + ("returned" if dst is None else "copied") + " unchanged")
@@ -179,8 +179,8 @@ class ConversionProgress:
     (whose tensors tick by as they are written). enabled=None: shown only after PROGRESS_AFTER_SECONDS,
     and only on a terminal (tqdm's own rules); False: never; True: always."""
 
-    def __init__(self, model: ir.Model, steps: int, *, enabled: bool | None = None):
-        self.model, self.steps, self.enabled, self.bar = model, steps, enabled, None
+    def __init__(self, steps: int, *, enabled: bool | None = None):
+        self.steps, self.enabled, self.bar = steps, enabled, None
         self.tensors = 0
 
     def __enter__(self) -> "ConversionProgress":
