@@ -33,27 +33,30 @@ SAMPLES = 16   # values compared per call: catches writes through .data that sca
 class _Copy:
     source: weakref.ref
     version: int
-    storage: tuple
-    sample: torch.Tensor
+    storage: tuple           # data_ptr, shape: `param.data = t` keeps the version, changes these
+    sampled: torch.Tensor    # a strided view of the weight's values (aliases its storage)
+    sample: torch.Tensor     # what those values were when `low` was made
     low: torch.Tensor
 
     @staticmethod
     def of(weight: torch.Tensor, dtype: torch.dtype) -> "_Copy":
         with torch.inference_mode(False), torch.no_grad():   # a normal tensor, also made under inference_mode
             low = weight.detach().to(dtype)
-            return _Copy(weakref.ref(weight), weight._version, _storage(weight), _sample(weight).clone(), low)
+            sampled = _sampled_view(weight)
+            return _Copy(weakref.ref(weight), weight._version, (weight.data_ptr(), weight.shape), sampled,
+                         sampled.clone(), low)
 
     def still_of(self, weight: torch.Tensor) -> bool:
-        return (self.source() is weight and self.version == weight._version and self.storage == _storage(weight)
-                and torch.equal(self.sample, _sample(weight)))
+        return (self.source() is weight and self.version == weight._version
+                and self.storage == (weight.data_ptr(), weight.shape) and torch.equal(self.sampled, self.sample))
 
 
-def _storage(weight: torch.Tensor) -> tuple:
-    return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype
-
-
-def _sample(weight: torch.Tensor) -> torch.Tensor:
-    flat = weight.detach().reshape(-1)
+def _sampled_view(weight: torch.Tensor) -> torch.Tensor:
+    """Up to SAMPLES values spread over the weight, as a view of its storage (a strided weight: its first)."""
+    detached = weight.detach()
+    if not detached.is_contiguous():
+        return detached.as_strided((min(1, detached.numel()),), (1,))
+    flat = detached.view(-1)
     return flat[:: max(1, flat.numel() // SAMPLES)]
 
 
