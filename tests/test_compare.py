@@ -123,3 +123,23 @@ def test_validate_onnx_returns_the_same_report_type_with_its_old_names(tmp_path)
     assert onnx_report.outputs[0].max_abs_error == onnx_report.outputs[0].max_abs == math.inf
     assert onnx_report.path == str(tmp_path / "planted.onnx") and onnx_report.providers
     assert f"first drifting node: {failure.node} (Gemm)" in str(onnx_report)
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+def test_a_low_leaf_with_parameters_replays_in_fp32():
+    """An LSTM runs through amp_module_call (its weights cast per call): the fp32 replay runs it as written."""
+    from amp_compiler.passes.fx.runtime import amp_module_call
+    torch.manual_seed(0)
+    model, x = Tagger(), torch.randn(2, 5, 8)
+    gm = convert(model, "O1", example_inputs=(x,))
+    assert any(node.target is amp_module_call for node in gm.graph.nodes)
+    report = compare(model, gm, x)                 # was: "RNN input dtype (float32) does not match weight dtype"
+    assert report.passed and report.notes == [] and 0 < report.outputs[0].max_rel < 1e-2

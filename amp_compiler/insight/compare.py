@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.insight.graph_decisions import graph_summary, is_cast, module_of
+from amp_compiler.passes.fx.runtime import amp_module_call
 from amp_compiler.passes.node_facts import facts
 
 MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23}
@@ -149,6 +150,9 @@ class _Recorder(fx.Interpreter):
         elif self.fp32 and facts(node).get("family") == "opaque":
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             result = node.target(args[0], (None, None), *args[2:], **kwargs)   # as written: no autocast
+        elif self.fp32 and node.target is amp_module_call:
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            result = args[0](*args[2:], **kwargs)                 # a low leaf (an RNN) with its fp32 parameters
         else:
             result = super().run_node(node)
         if node.op != "output" and isinstance(result, torch.Tensor) and result.is_floating_point():
