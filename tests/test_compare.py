@@ -143,3 +143,13 @@ def test_a_low_leaf_with_parameters_replays_in_fp32():
     assert any(node.target is amp_module_call for node in gm.graph.nodes)
     report = compare(model, gm, x)                 # was: "RNN input dtype (float32) does not match weight dtype"
     assert report.passed and report.notes == [] and 0 < report.outputs[0].max_rel < 1e-2
+
+
+def test_a_long_chain_prints_its_ends():
+    from amp_compiler.insight.compare import NodeError
+    chain = [NodeError(f"n{i}", "conv2d", "", "float16", (2,), 0.1, 0.02, 3.0, 0, i < 19) for i in range(20)]
+    text = str(ComparisonReport("float16", 1e-2, list(chain), [chain[-1]], chain[-1], chain))
+    assert "  chain: n0 -> n1 -> ... (13 more) -> n15 -> n16 -> n17 -> n18 -> n19" in text
+    lines = text.splitlines()
+    shown = lines[lines.index(next(l for l in lines if l.startswith("  chain:"))) + 1:lines.index("  worst nodes:")]
+    assert [line.split()[0] for line in shown] == ["n0", "n1", "...", "n15", "n16", "n17", "n18", "n19"]

@@ -29,6 +29,7 @@ from amp_compiler.passes.node_facts import facts
 MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23}
 DEFAULT_RTOL = {"float16": 1e-2, "bfloat16": 5e-2}
 SHOWN_WORST = 8
+SHOWN_CHAIN = 10     # a longer chain prints its first 2 and last 5 nodes (chain holds them all)
 
 
 @dataclass
@@ -95,8 +96,10 @@ class ComparisonReport:
         if self.first_failure is not None:
             label = "first drifting node" if self.source else "first node past tolerance"   # each one's old wording
             lines.append(f"  {label}: {self.first_failure}")
-            lines.append("  chain: " + " -> ".join(error.node for error in self.chain))
-            lines += [f"    {error}" for error in self.chain]
+            shown = self.chain if len(self.chain) <= SHOWN_CHAIN else [*self.chain[:2], None, *self.chain[-5:]]
+            skipped = f"... ({len(self.chain) - 7} more)"
+            lines.append("  chain: " + " -> ".join(skipped if e is None else e.node for e in shown))
+            lines += [f"    {skipped if error is None else error}" for error in shown]
         elif self.errors:
             lines.append("  no node past tolerance")
         if self.errors:
