@@ -46,6 +46,8 @@ def test_calibrated_o1_keeps_the_overflowing_nodes_fp32_and_the_output_right():
     report = compare(model, gm, x)
     assert report.passed and report.outputs[0].max_rel < 1e-3
     assert gm.meta["amp"]["pass_counts"]["calibrate_ranges"] == {"samples": 16, "nodes_overflowing": 2}
+    assert "range calibration (16 samples): 2 nodes kept fp32: mul_1, b" in explain(gm, op="linear").summary_lines()
+    assert not any("range calibration" in line for line in explain(plain).summary_lines())
 
 
 def test_the_rule_counts_the_samples_that_overflow():

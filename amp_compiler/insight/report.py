@@ -52,6 +52,11 @@ class PrecisionReport:
         lines.append(f"nodes: {self.counts()}")
         for warning in self.warnings:
             lines += wrapped("WARNING", [warning])
+        calibrated = s.get("pass_counts", {}).get("calibrate_ranges")
+        if calibrated:
+            kept = t.get("range_kept", [])
+            lines += wrapped(f"range calibration ({calibrated['samples']} samples): {len(kept)} nodes kept fp32",
+                             kept[:12] + ([f"... {len(kept) - 12} more"] if len(kept) > 12 else []) or ["none"])
         lines += _island_lines(self.islands)
         if s.get("leaf_modules"):
             lines += _leaf_lines(s["leaf_modules"])
@@ -132,7 +137,8 @@ def _totals(rows: list[dict], casts: int) -> dict:
     unknown = list(dict.fromkeys(r["op"] for r in rows if r.get("family") == "unknown"))
     return {"nodes": len(painted), "nodes_per_dtype": dict(Counter(r["dtype"] for r in painted)),
             "untouched": sum(1 for r in rows if r["precision"] == "untouched"), "casts": casts,
-            "unknown_ops": unknown, "rows": len(rows)}
+            "unknown_ops": unknown, "rows": len(rows),
+            "range_kept": [r["node"] for r in rows if r["rule"].startswith("range:")]}   # calibration kept fp32
 
 
 def _explain_children(module) -> PrecisionReport:
