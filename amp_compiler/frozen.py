@@ -10,8 +10,9 @@ A copy is used only while it is still the weight's: same tensor object (load_sta
 new Parameter replace it), same version counter (optimizer steps, load_state_dict, in-place ops under
 no_grad), same storage and shape (`param.data = t`), and the same values at a sample of positions
 (`param.data.mul_(...)` writes through `.data`, which PyTorch gives a version counter of its own, so only the
-values can tell). Otherwise it is made again. In training mode, or when autograd needs the weight's
-gradient (grad enabled and requires_grad), the weight is cast on every call as before.
+values can tell). Otherwise it is made again. In training mode, when autograd needs the weight's gradient
+(grad enabled and requires_grad), and inside torch.compile, the weight is cast on every call as before
+(a compiled frozen graph checking its copies ran 1.26-1.30x slower than the compiled unfrozen one).
 """
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ class FrozenWeights(nn.Module):
         self.copies_made = 0
 
     def read(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.training or (torch.is_grad_enabled() and weight.requires_grad):
-            return amp_cast(weight, dtype)
+        if self.training or (torch.is_grad_enabled() and weight.requires_grad) or torch.compiler.is_compiling():
+            return amp_cast(weight, dtype)   # under torch.compile the checks would be guards: inductor folds casts
         key = (id(weight), dtype)
         copy = self._copies.get(key)
         if copy is None or not copy.still_of(weight):
