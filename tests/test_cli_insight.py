@@ -1,5 +1,4 @@
 """amp-compiler explain / compare / render / --version, and how MODULE:FACTORY is found."""
-import json
 import os
 import textwrap
 

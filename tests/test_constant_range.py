@@ -5,7 +5,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 from amp_compiler import compare, convert, explain
 from amp_compiler import FP16RangeWarning

@@ -17,7 +17,6 @@ from typing import Iterable
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.painting.calibrate_ranges import RangeTotals, progress, value_stats
 from amp_compiler.passes.runner import PassResult
 
@@ -35,7 +34,7 @@ def record_ranges(gm: fx.GraphModule, samples: Iterable, low_dtype: torch.dtype)
     finally:
         for module, flag in flags.items():
             module.training = flag
-    return PassResult(modified=False, counts=totals.record(facts, lambda node: node.name))
+    return PassResult(modified=False, counts=totals.record())
 
 
 class _RangeRecorder(fx.Interpreter):

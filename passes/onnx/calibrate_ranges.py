@@ -20,7 +20,6 @@ import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
-from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.onnx.spec import is_float_value
 from amp_compiler.passes.painting.calibrate_ranges import RangeTotals, progress, value_stats
 from amp_compiler.passes.runner import PassResult
@@ -45,7 +44,7 @@ def record_onnx_ranges(model: ir.Model, samples: Iterable, low_dtype: torch.dtyp
                 seen[node] = value_stats(tensors, totals.limits.tiny)
         totals.add_sample(seen, lambda node: [producers[v.name] for v in node.inputs
                                               if v is not None and v.name in producers])
-    return PassResult(modified=False, counts=totals.record(facts, lambda node: node.name))
+    return PassResult(modified=False, counts=totals.record())
 
 
 def _session(model: ir.Model, exposed: list[ir.Value]) -> ort.InferenceSession:

@@ -2,15 +2,15 @@
 that keeps fp32 the painted-low nodes whose values the low dtype cannot hold (a `painted` hook of the
 decide step, decide.py, so it works on any IR's view).
 
-    totals = RangeTotals(torch.float16); totals.add_sample(seen, inputs_of); totals.record(facts)
+    totals = RangeTotals(torch.float16); totals.add_sample(seen, inputs_of); totals.record()
     view node "mul_1": precision low -> fp32, rule "range: max |x| = 1e5 > 65504 on 16 of 16 samples"
 
 Each IR runs the fp32 model on the samples its own way (fx: passes/fx/calibrate_ranges.py, ONNX:
 passes/onnx/calibrate_ranges.py) and hands over, per sample, value_stats() of every node's outputs.
-`ranges` maps a node name to the figures recorded:
-samples, max_abs (its own values), overflows (samples where the node's value, or a value it reads, was
-past the low dtype's largest number), read_max and read_from (the largest input), below_normal (share of its non-zero values
-under the low dtype's smallest normal number). A node the user forced low stays low.
+`ranges` maps a node name to the figures recorded: samples, max_abs (its own values), overflows (samples
+where the node's value, or a value it reads, was past the low dtype's largest number), read_max and
+read_from (the largest input), below_normal (share of its non-zero values under the low dtype's smallest
+normal number). A node the user forced low stays low.
 """
 from __future__ import annotations
 
@@ -55,13 +55,13 @@ class RangeTotals:
             if max_abs > self.limits.max or read_max > self.limits.max:   # a low node would read or write inf
                 total["overflows"] += 1
 
-    def record(self, facts: Callable, name: Callable) -> dict[str, int]:
-        """facts(node)["range"] for every node seen; returns the pass's counts."""
+    def record(self) -> dict[str, int]:
+        """facts(node)["range"] for every node seen (fx and onnx_ir nodes alike); returns the pass's counts."""
         if self.samples == 0:
             raise ValueError("calibration_data gave no samples: pass an iterable of input tuples, like example_inputs")
         for node, total in self.totals.items():
             below_normal = total["tiny"] / total["nonzero"] if total["nonzero"] else 0.0
-            read_from = name(total["read_from"]) if total["read_from"] is not None else None
+            read_from = total["read_from"].name if total["read_from"] is not None else None
             facts(node)["range"] = {"samples": self.samples, "max_abs": total["max_abs"], "overflows": total["overflows"],
                                     "read_max": total["read_max"], "read_from": read_from, "below_normal": below_normal}
         overflowing = sum(1 for total in self.totals.values() if total["overflows"])
