@@ -28,6 +28,11 @@ FACTORY = textwrap.dedent('''
         return Planted(), (torch.randn(batch, 8),)
 
 
+    def with_samples():
+        torch.manual_seed(1)
+        return Planted(), torch.randn(4, 8), [(torch.randn(4, 8),) for _ in range(3)]
+
+
     def not_a_pair():
         return 3
 ''')
@@ -69,6 +74,16 @@ def test_compare_exits_1_where_fp16_overflows_and_0_where_bf16_holds_it(factory_
     assert "passed" in capsys.readouterr().out
 
 
+def test_calibrate_runs_the_ranges_on_the_factorys_samples(factory_dir, capsys):
+    assert main(["compare", "cli_factories:with_samples", "--calibrate"]) == 0       # 1e5 kept fp32: passes
+    out = capsys.readouterr().out
+    assert "passed" in out and "range calibration on the example inputs" not in out
+    assert main(["explain", "cli_factories:planted", "--calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("range calibration on the example inputs alone")
+    assert "range calibration (1 sample): 2 nodes kept fp32: mul_1, b" in out
+
+
 def test_render_draws_an_onnx_file_and_a_factory(factory_dir, capsys):
     import torch
     model, inputs = __import__("cli_factories").planted()
@@ -90,7 +105,7 @@ def test_version(capsys):
 
 @pytest.mark.parametrize("spec,message", [
     ("nowhere_module:make", "cannot import module 'nowhere_module': looked in the current directory ({cwd})"),
-    ("cli_factories:missing", "has no function 'missing'; it defines: Planted, not_a_pair, planted"),
+    ("cli_factories:missing", "has no function 'missing'; it defines: Planted, not_a_pair, planted, with_samples"),
     ("cli_factories:not_a_pair", "cli_factories:not_a_pair returned int; a factory returns (model, example_inputs)"),
     ("no/such/file.py:make", "cannot load no/such/file.py: no such file (looked for {cwd}"),
     ("just_a_name", "expected MODULE:FACTORY"),

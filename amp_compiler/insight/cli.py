@@ -8,7 +8,8 @@ MODULE:FACTORY names a function to call (with --kwarg NAME=VALUE keywords): MODU
 from the current directory (`mymodels`, `pkg.models`) or a file path (`path/to/mymodels.py`). The
 factory returns the fp32 model and its example inputs: a pair `(model, example_inputs)`, where
 example_inputs is a tuple of positional inputs (or one tensor), or an object with `.model` and
-`.example_inputs` (the repository's zoo: `models:build --kwarg name=gpt`). A handler returns the exit
+`.example_inputs` (the repository's zoo: `models:build --kwarg name=gpt`); a third element (or a
+`.calibration_data` attribute), a list of input tuples, is what `--calibrate` runs the ranges on. A handler returns the exit
 code: 0 ok, 1 when compare finds the outputs past tolerance, 2 for a usage error (printed as one line).
 """
 from __future__ import annotations
@@ -64,6 +65,8 @@ def _add_model(parser: argparse.ArgumentParser, with_source: bool = True) -> Non
                         help="keyword argument for the factory; VALUE is a Python literal or else a string")
     parser.add_argument("--level", default="O1", help=LEVEL_CHOICES_HELP)
     parser.add_argument("--dtype", default="float16", help="float16/fp16 (default) or bfloat16/bf16")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="range calibration on the factory's calibration_data (else its example inputs)")
 
 
 def run_explain(args) -> int:
@@ -108,14 +111,20 @@ def run_render(args) -> int:
 def _converted(args) -> tuple[nn.Module, tuple, torch.fx.GraphModule]:
     import amp_compiler
 
-    model, inputs = load_factory(args.factory, args.kwarg)
+    model, inputs, calibration = load_factory(args.factory, args.kwarg)
     dtype = amp_compiler.config.resolve_dtype(args.dtype)
-    return model, inputs, amp_compiler.convert(model, args.level, dtype=dtype, example_inputs=inputs)
+    if args.calibrate and calibration is None:
+        print("range calibration on the example inputs alone (a factory may return calibration_data too)")
+        calibration = [inputs]
+    samples = calibration if args.calibrate else None
+    return model, inputs, amp_compiler.convert(model, args.level, dtype=dtype, example_inputs=inputs,
+                                               calibration_data=samples)
 
 
-def load_factory(spec: str, kwargs: list[str] = ()) -> tuple[nn.Module, tuple]:
+def load_factory(spec: str, kwargs: list[str] = ()) -> tuple[nn.Module, tuple, list | None]:
     """Call MODULE:FACTORY (MODULE: importable from the current directory, or a .py file's path) and
-    return (model, example_inputs) from what it returns; errors say where the module was looked for."""
+    return (model, example_inputs, calibration_data or None) from what it returns; errors say where the
+    module was looked for."""
     module_name, _, attribute = spec.rpartition(":")
     if not module_name or not attribute:
         raise ValueError(f"expected MODULE:FACTORY (mymodels:make or path/to/mymodels.py:make), got {spec!r}")
@@ -126,12 +135,12 @@ def load_factory(spec: str, kwargs: list[str] = ()) -> tuple[nn.Module, tuple]:
         raise ValueError(f"{where} has no function {attribute!r}; it defines: {', '.join(defined) or 'nothing callable'}")
     made = factory(**dict(_keyword(k) for k in kwargs))
     if hasattr(made, "model") and hasattr(made, "example_inputs"):
-        made = (made.model, made.example_inputs)
-    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module)):
-        raise TypeError(f"{spec} returned {type(made).__name__}; a factory returns (model, example_inputs) "
-                        "or an object with .model and .example_inputs")
-    model, inputs = made
-    return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        made = (made.model, made.example_inputs, getattr(made, "calibration_data", None))
+    if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module)):
+        raise TypeError(f"{spec} returned {type(made).__name__}; a factory returns (model, example_inputs), "
+                        "(model, example_inputs, calibration_data) or an object with .model and .example_inputs")
+    model, inputs, calibration = (*made, None)[:3]
+    return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), calibration
 
 
 def _import(name: str):

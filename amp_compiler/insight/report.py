@@ -55,7 +55,8 @@ class PrecisionReport:
         calibrated = s.get("pass_counts", {}).get("calibrate_ranges")
         if calibrated:
             kept = t.get("range_kept", [])
-            lines += wrapped(f"range calibration ({calibrated['samples']} samples): {len(kept)} nodes kept fp32",
+            lines += wrapped(f"range calibration ({_plural(calibrated['samples'], 'sample')}): "
+                             f"{_plural(len(kept), 'node')} kept fp32",
                              kept[:12] + ([f"... {len(kept) - 12} more"] if len(kept) > 12 else []) or ["none"])
         lines += _island_lines(self.islands)
         if s.get("leaf_modules"):
