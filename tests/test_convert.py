@@ -138,6 +138,16 @@ def test_result_shares_parameters_and_never_changes_the_model(net):
     net.load_state_dict(gm.state_dict())
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_converting_with_example_inputs_leaves_every_buffer_alone(net, level):
+    # The fx path runs the graph on fake example inputs to learn dtypes; a train-mode BatchNorm counts a
+    # step (num_batches_tracked += 1) on every call, which must not reach the user's real buffer.
+    net.train()
+    before = copy.deepcopy(net.state_dict())
+    convert(net, level, example_inputs=(X,))
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
 def test_optimizer_on_model_parameters_trains_the_converted_graph(net):
     gm = convert(net, "O1")
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

@@ -36,14 +36,30 @@ class _FakePropagator(fx.Interpreter):
         return value
 
 
+class _Propagate(torch.nn.Module):
+    """Runs the propagator as a module call, so functional_call can swap in fake parameters and buffers."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, *inputs):
+        return _FakePropagator(self.gm).run(*inputs)
+
+
 def propagate_values(gm: fx.GraphModule, example_inputs: tuple) -> PassResult:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_inputs = torch.utils._pytree.tree_map(
-        lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, example_inputs)
+    fake = lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    fake_inputs = torch.utils._pytree.tree_map(fake, example_inputs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(fake_inputs):
         return PassResult(modified=False, counts={"values_propagated": 0})
+    runner = _Propagate(gm)
+    # Fake parameters and buffers too: a train-mode BatchNorm's `num_batches_tracked.add_(1)` would
+    # otherwise count a step on the user's real buffer each time a model is converted.
+    state = {name: fake(t) for name, t in (*runner.named_parameters(remove_duplicate=False),
+                                           *runner.named_buffers(remove_duplicate=False))}
     with mode, torch.no_grad():
-        _FakePropagator(gm).run(*fake_inputs)
+        torch.func.functional_call(runner, state, fake_inputs, tie_weights=False)
     known = sum("val" in n.meta for n in gm.graph.nodes)
     return PassResult(modified=False, counts={"values_propagated": known})
