@@ -46,6 +46,8 @@ def test_calibrated_o1_keeps_the_overflowing_nodes_fp32_and_the_output_right():
     report = compare(model, gm, x)
     assert report.passed and report.outputs[0].max_rel < 1e-3
     assert gm.meta["amp"]["pass_counts"]["calibrate_ranges"] == {"samples": 16, "nodes_overflowing": 2}
+    decide, plain_decide = gm.meta["amp"]["pass_counts"]["decide_precision"], plain.meta["amp"]["pass_counts"]["decide_precision"]
+    assert (decide["low"], decide["fp32"]) == (plain_decide["low"] - 2, plain_decide["fp32"] + 2)   # counted after calibration
     assert "range calibration (16 samples): 2 nodes kept fp32: mul_1, b" in explain(gm, op="linear").summary_lines()
     assert not any("range calibration" in line for line in explain(plain).summary_lines())
 

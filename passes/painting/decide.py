@@ -65,8 +65,11 @@ def decide(adapter: DecideAdapter, rules: PrecisionRules, painted: Iterable[Pain
             view.add_edge(producer, reader)
     rules.check_all_patterns_matched()
     counts = paint_precision(view, bf16=rules.low_dtype == "bfloat16")
-    for hook in painted:
-        hook(view)
+    if painted:
+        for hook in painted:
+            hook(view)
+        precisions = [attrs["precision"] for _, attrs in view.nodes(data=True)]   # as the hooks left them
+        counts = {**counts, "low": precisions.count("low"), "fp32": precisions.count("fp32")}
     for node in nodes:
         amp = adapter.meta(node)
         name = adapter.name(node)
