@@ -1,0 +1,258 @@
+"""One command for a CUDA machine: amp-compiler against torch.autocast, printed as one table.
+
+    python benchmarks/gpu.py                 # CUDA: full zoo + ResNet-18 / BERT-base / GPT-2 configs, <= 8 minutes
+    python benchmarks/gpu.py --dry-run       # CPU, tiny sizes, seconds: keeps this script from rotting
+
+Sections (one row each, alternated runs, medians; "ratio" = ours / the baseline named in the row):
+  train   fp16 and bf16 train step (forward, backward, SGD): ours O1 (+ amp_compiler.GradScaler for fp16)
+          against torch.autocast (+ torch.amp.GradScaler for fp16)
+  infer   latency per call, the dtype of --infer-dtype: fp32 eager, autocast, ours, ours frozen, and
+          torch.compile (inductor; "eager" backend with --dry-run) of autocast and ours
+  onnx    ONNX Runtime latency (CUDA provider when usable): fp32 export, export_onnx fp16, convert_onnx fp16
+A global time budget (--budget-s, default 450 s) skips what is left, saying so, so the run ends in time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+import amp_compiler  # noqa: E402
+from models import ZOO_NAMES, build  # noqa: E402
+
+
+@dataclass
+class Case:
+    name: str
+    model: torch.nn.Module
+    inputs: tuple
+    target: torch.Tensor
+    loss_fn: Callable
+
+
+@dataclass
+class Settings:
+    device: str
+    dry_run: bool
+    repeats: int
+    budget_s: float
+    started: float
+    compile_backend: str
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() - self.started > self.budget_s
+
+
+def _logits_loss(out, target):
+    logits = getattr(out, "logits", out)
+    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+
+
+def real_cases(dry_run: bool) -> list[Case]:
+    """ResNet-18 and BERT-base / GPT-2 shaped HF configs; with --dry-run a ResNet-10 and tiny widths."""
+    from models.torchvision_ops import import_torchvision
+    torchvision = import_torchvision()
+    import transformers
+    batch, image, seq = (2, 16, 8) if dry_run else (32, 224, 128)
+    width, layers, heads = (16, 1, 2) if dry_run else (768, 12, 12)
+    torch.manual_seed(0)
+    from torchvision.models.resnet import BasicBlock, ResNet
+    resnet = ResNet(BasicBlock, [1, 1, 1, 1] if dry_run else [2, 2, 2, 2], num_classes=10)   # ResNet-10 / -18
+    cases = [Case("resnet18", resnet, (torch.randn(batch, 3, image, image),), torch.randint(0, 10, (batch,)),
+                  _logits_loss)]
+    tokens = torch.randint(0, 1000, (batch // 2 or 1, seq))
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=1000, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=4 * width, num_labels=3))
+    cases.append(Case("hf_bert", bert, (tokens,), torch.randint(0, 3, (tokens.shape[0],)), _logits_loss))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=1000, n_embd=width, n_layer=layers, n_head=heads, n_positions=max(seq, 16), bos_token_id=0,
+        eos_token_id=0, use_cache=False))
+    cases.append(Case("hf_gpt2", gpt2, (tokens,), tokens, _logits_loss))
+    return cases
+
+
+def zoo_cases(dry_run: bool) -> list[Case]:
+    cases = []
+    for name in ("mlp",) if dry_run else ZOO_NAMES:
+        task = build(name, size="small" if dry_run else "full")
+        inputs, target = task.make_batch(0)
+        cases.append(Case(name, task.model, inputs, target, task.loss_fn))
+    return cases
+
+
+def to_device(case: Case, device: str) -> Case:
+    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return Case(case.name, case.model.to(device), tuple(move(v) for v in case.inputs), move(case.target),
+                case.loss_fn)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def alternate(runs: dict[str, Callable], settings: Settings) -> dict[str, float]:
+    """Median milliseconds per call of each run, runs alternated so drift hits them alike."""
+    for run in runs.values():
+        for _ in range(1 if settings.dry_run else 3):
+            run()
+    _sync(settings.device)
+    samples = {name: [] for name in runs}
+    for _ in range(settings.repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            _sync(settings.device)
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def train_rows(case: Case, dtype: torch.dtype, settings: Settings) -> list[list]:
+    device, model = settings.device, case.model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    gm = amp_compiler.convert(model, "O1", dtype=dtype, example_inputs=case.inputs).train()
+    fp16 = dtype == torch.float16
+    ours_scaler = amp_compiler.GradScaler(device, enabled=fp16)
+    their_scaler = torch.amp.GradScaler(device, enabled=fp16)
+
+    def ours():
+        optimizer.zero_grad(set_to_none=True)
+        ours_scaler.scale(case.loss_fn(gm(*case.inputs), case.target)).backward()
+        ours_scaler.step(optimizer)
+        ours_scaler.update()
+
+    def autocast():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=dtype):
+            loss = case.loss_fn(model(*case.inputs), case.target)
+        their_scaler.scale(loss).backward()
+        their_scaler.step(optimizer)
+        their_scaler.update()
+
+    ms = alternate({"ours": ours, "autocast": autocast}, settings)
+    label = f"train {str(dtype).removeprefix('torch.')}"
+    return [[label, case.name, "ours O1", f"{ms['ours']:.3f}", f"{ms['ours'] / ms['autocast']:.2f} of autocast"],
+            [label, case.name, "autocast+GradScaler" if fp16 else "autocast", f"{ms['autocast']:.3f}", ""]]
+
+
+def infer_rows(case: Case, dtype: torch.dtype, settings: Settings) -> list[list]:
+    device, model = settings.device, case.model.eval()
+    gm = amp_compiler.convert(model, "O1", dtype=dtype, example_inputs=case.inputs).eval()
+    frozen = amp_compiler.convert(model, "O1", dtype=dtype, example_inputs=case.inputs, freeze=True).eval()
+
+    def autocast_of(run):
+        def call(*args):
+            with torch.autocast(device, dtype=dtype):
+                return run(*args)
+        return call
+
+    torch._dynamo.reset()
+    calls = {"fp32 eager": model, "autocast": autocast_of(model), "ours": gm, "ours frozen": frozen,
+             "autocast+compile": autocast_of(torch.compile(model, backend=settings.compile_backend)),
+             "ours+compile": torch.compile(gm, backend=settings.compile_backend)}
+    with torch.inference_mode():
+        ms = alternate({name: (lambda run=run: run(*case.inputs)) for name, run in calls.items()}, settings)
+    label = f"infer {str(dtype).removeprefix('torch.')}"
+    baseline = {"ours": "autocast", "ours frozen": "autocast", "ours+compile": "autocast+compile"}
+    return [[label, case.name, name, f"{ms[name]:.3f}",
+             f"{ms[name] / ms[baseline[name]]:.2f} of {baseline[name]}" if name in baseline else ""]
+            for name in calls]
+
+
+def onnx_rows(case: Case, settings: Settings) -> list[list]:
+    import numpy as np
+    from amp_compiler.onnx.export import export_fp32_reference
+    from amp_compiler.onnx.sessions import execution_providers, make_session
+    model, inputs = case.model.cpu().eval(), tuple(v.cpu() for v in case.inputs)
+    provider = execution_providers()[0].removesuffix("ExecutionProvider")
+    with tempfile.TemporaryDirectory() as directory:
+        paths = {name: os.path.join(directory, f"{name}.onnx") for name in ("fp32", "export_onnx", "convert_onnx")}
+        export_fp32_reference(model, inputs, paths["fp32"])
+        amp_compiler.export_onnx(model, inputs, paths["export_onnx"], "O1", dtype=torch.float16)
+        amp_compiler.convert_onnx(paths["fp32"], paths["convert_onnx"], "O1")
+        runs = {}
+        for name, path in paths.items():
+            session = make_session(path)
+            feeds = {i.name: v.numpy() for i, v in zip(session.get_inputs(), inputs)}
+            runs[name] = lambda session=session, feeds=feeds: session.run(None, feeds)
+        ms = alternate(runs, Settings("cpu", settings.dry_run, settings.repeats, settings.budget_s,
+                                      settings.started, settings.compile_backend))
+    del np
+    return [[f"onnx fp16 ({provider})", case.name, name, f"{ms[name]:.3f}",
+             f"{ms[name] / ms['fp32']:.2f} of fp32" if name != "fp32" else ""] for name in runs]
+
+
+def print_table(rows: list[list], settings: Settings) -> None:
+    from bench_convert import table
+    where = torch.cuda.get_device_name() if settings.device == "cuda" else "CPU"
+    table(f"amp-compiler vs torch.autocast on {where}, torch {torch.__version__}, median of {settings.repeats} "
+          f"alternated runs{' (dry run: tiny sizes)' if settings.dry_run else ''}, "
+          f"{time.perf_counter() - settings.started:.0f} s", ["section", "model", "variant", "ms", "ratio"], rows)
+
+
+def main(argv=None) -> list[list]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, eager compile backend")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--budget-s", type=float, default=450.0)
+    parser.add_argument("--infer-dtype", default="float16", choices=("float16", "bfloat16"))
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: train,infer,onnx")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --dry-run to check the script on CPU")
+    settings = Settings("cpu" if args.dry_run else "cuda", args.dry_run, args.repeats or (1 if args.dry_run else 20),
+                        args.budget_s, time.perf_counter(), "eager" if args.dry_run else "inductor")
+    infer_dtype = torch.float16 if args.infer_dtype == "float16" else torch.bfloat16
+    if args.dry_run:
+        infer_dtype = torch.bfloat16   # fp16 arithmetic on CPU is slow and not what the dry run checks
+    zoo = zoo_cases(args.dry_run)
+    real = real_cases(args.dry_run)
+    if args.dry_run:   # one model per front end and kind: every code path runs, in seconds
+        real = [c for c in real if c.name in ("resnet18", "hf_gpt2")]
+    skip = set(args.skip.split(","))
+    jobs = []
+    for case in [*zoo, *real]:
+        if "train" not in skip:   # dry run: CPU fp16 convolutions take seconds, so ResNet-18 trains in bf16 only
+            jobs += [("train", case, dtype) for dtype in (torch.float16, torch.bfloat16)
+                     if not (args.dry_run and dtype == torch.float16 and case.name == "resnet18")]
+        if "infer" not in skip:
+            jobs.append(("infer", case, infer_dtype))
+    if "onnx" not in skip:
+        jobs += [("onnx", case, torch.float16) for case in zoo if case.name in ("mlp", "resnet", "bert")]
+        jobs += [("onnx", case, torch.float16) for case in real if case.name == "resnet18" and not args.dry_run]
+    rows: list[list] = []
+    for section, case, dtype in jobs:
+        if settings.out_of_time():
+            rows.append([section, case.name, "skipped: time budget", "", ""])
+            continue
+        try:
+            if section == "onnx":
+                rows += onnx_rows(case, settings)
+            else:
+                moved = to_device(case, settings.device)
+                rows += (train_rows if section == "train" else infer_rows)(moved, dtype, settings)
+        except Exception as error:  # noqa: BLE001 - one failure is a row, the table still prints
+            rows.append([section, case.name, f"FAILED {type(error).__name__}: {str(error).splitlines()[0][:80]}",
+                         "", ""])
+        print(f"{time.perf_counter() - settings.started:6.1f} s  " + "  ".join(map(str, rows[-1])), file=sys.stderr,
+              flush=True)
+    print_table(rows, settings)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
