@@ -52,7 +52,7 @@ def test_an_inference_call_casts_no_weight_and_returns_the_same_values(name):
     assert counter.weight_casts == 0 and counter.casts == unfrozen.casts - unfrozen.weight_casts
     assert torch.equal(out, expected)
     frozen_reads = [n for n in frozen.graph.nodes if n.target is amp_frozen_cast]
-    cast_bytes = sum(n.args[2].itemsize * operator.attrgetter(n.args[1].target)(frozen).numel() for n in frozen_reads)
+    cast_bytes = sum(n.args[1].itemsize * operator.attrgetter(n.args[0].target)(frozen).numel() for n in frozen_reads)
     assert amp_compiler.frozen_bytes(frozen) == cast_bytes > 0
     assert frozen.state_dict().keys() == model.state_dict().keys()
 
@@ -144,3 +144,11 @@ def test_freeze_takes_only_converted_models_and_survives_save(tmp_path):
     assert amp_compiler.frozen_bytes(loaded) == 0                    # the copies are not saved
     with torch.no_grad():
         assert torch.equal(loaded(*inputs), expected)
+
+
+def test_explain_verify_and_compare_read_a_frozen_graph():
+    model, inputs = _task("bert")
+    frozen = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=inputs, freeze=True).eval()
+    amp_compiler.verify(frozen, *inputs)                    # the recorded dtypes are the ones it runs
+    assert "bfloat16" in str(amp_compiler.explain(frozen)).splitlines()[1]
+    assert "passed" in str(amp_compiler.compare(model, frozen, inputs)).splitlines()[0]

@@ -1,7 +1,7 @@
 """Read the low-precision copy of a weight from a cache instead of casting it on every call (frozen inference).
 
     w_bf16 = amp_cast(self.fc.weight, torch.bfloat16)
-        ->   w_bf16 = amp_frozen_cast(self.amp_frozen_weights, self.fc.weight, torch.bfloat16)
+        ->   w_bf16 = amp_frozen_cast(self.fc.weight, torch.bfloat16, self.amp_frozen_weights)
 Only casts of a parameter or buffer read with get_attr change; activation casts stay. The cache
 (amp_compiler/frozen.py: FrozenWeights, a child module named `holder`) decides at run time whether its
 copy is still the weight's: it checks the weight's identity, version counter, storage and a sample of its
@@ -35,7 +35,7 @@ def freeze_weight_casts(gm: fx.GraphModule, holder: str) -> PassResult:
             holder_node.meta["amp"] = {"op": "get_attr", "class": "io", "precision": None,
                                        "rule": "frozen inference: the cache of low-precision weight copies"}
         cast.target = amp_frozen_cast
-        cast.args = (holder_node, source, dtype)
+        cast.args = (source, dtype, holder_node)
         cast.meta["amp"] = {**cast.meta.get("amp", {}), "rule": f"frozen: {source.target} cast once, cached"}
         frozen += 1
     return PassResult(modified=frozen > 0, counts={"weight_casts_frozen": frozen})

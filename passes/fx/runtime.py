@@ -4,7 +4,7 @@
     amp_module_call(self.gru, torch.float16, x)          a low leaf with its parameters cast for one call
     amp_opaque_call(self.block, (torch.bfloat16, torch.float32), x)   code fx cannot see into (opaque_calls)
     dropout_p_when_training(p, self.training_flag())     a train flag torch.export baked in (export_capture)
-    amp_frozen_cast(self.amp_frozen_weights, w, torch.bfloat16)   a weight's cached low copy (freeze_weight_casts)
+    amp_frozen_cast(w, torch.bfloat16, self.amp_frozen_weights)   a weight's cached low copy (freeze_weight_casts)
 
 Each is a `graph_leaf`: torch.load re-creates a GraphModule by tracing its generated code again;
 torch.fx.wrap only covers calls by the wrapped name inside the module that wrapped it, so without this
@@ -98,7 +98,8 @@ def dropout_p_when_training(p: float, training: bool) -> float:
 
 
 @graph_leaf
-def amp_frozen_cast(copies, weight, dtype: torch.dtype):
+def amp_frozen_cast(weight, dtype: torch.dtype, copies):
     """`weight` in `dtype` from `copies` (amp_compiler/frozen.py: FrozenWeights), which makes the copy once
-    and again only when the weight changed; while training or when autograd needs the weight, a plain cast."""
+    and again only when the weight changed; while training or when autograd needs the weight, a plain cast.
+    The weight comes first, as in amp_cast: tools that replay a cast as its input (compare) need no change."""
     return copies.read(weight, dtype)
