@@ -1,11 +1,22 @@
-"""export_onnx(): the graph convert() builds for training, exported as an fp16 ONNX model for inference.
+"""export_onnx(): the graph convert() builds, exported as an fp16 ONNX model for inference.
 
-    model --convert(level)--> GraphModule with explicit casts --torch.onnx.export(dynamo=True)--> ONNX
-          --unify input types -> widen refused nodes -> fold casts -> (lower graph inputs) -> sort--> file
+    model --inference_copy (a copy of the module tree: eval batch norms folded into their convs, in-place
+          activations out of place)--> convert(level) --> GraphModule with explicit casts
+          --torch.onnx.export(dynamo=True)--> ONNX --EXPORT_PIPELINE (print it)--> file
 
-The precision of every op is the one convert() chose, so the ONNX model computes what training computed.
-One exception, said out loud in the report: a weight that fp16 cannot hold (|x| > 65504) would reach the
-graph as inf, so the nodes reading it are converted again with force_fp32 and keep it exact.
+The precision of every op is the one convert() chose, with what inference changes said out loud:
+- an inference graph has no BatchNorm: each eval-mode BatchNorm that follows a convolution is folded into it
+  before convert() paints (passes/fx/fold_batch_norms.py says why before, not after), so an exported CNN has
+  no fp32 BatchNorm islands and no more Casts than convert_onnx of the fp32 export; in-place activations
+  run out of place where nothing else sees the write (the exported graph is functional either way, and
+  convert() leaves in-place ops out of its painting: passes/fx/out_of_place_activations.py);
+- fragile ops that torch.onnx writes out of a low-precision op (the Softmax of a decomposed
+  scaled_dot_product_attention, the ReduceMean of a global average pool) run fp32, as the policy table says
+  for every Softmax and reduction (widen_denied_ops);
+- weights are stored once, in fp16 where every reader can take it: embedding tables read by a lookup
+  (lower_moved_weights) and a tied LM head's transposed copy (store_tied_weights_once);
+- a weight that fp16 cannot hold (|x| > 65504) would reach the graph as inf, so the nodes reading it are
+  converted again with force_fp32 and keep it exact.
 """
 from __future__ import annotations
 
@@ -22,19 +33,29 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from amp_compiler.config import make_config
+from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert import convert
+from amp_compiler.frontend import share_module_tree, trace
+from amp_compiler.frontend.module_tree import unwrap_compiled
 from amp_compiler.onnx.convert import IR_LOW_DTYPES, check_onnx_model, conversion_warnings, sort_nodes
 from amp_compiler.onnx.files import save_onnx_model, weight_bytes
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts
 from amp_compiler.insight.report import explain
 from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
+from amp_compiler.passes.fx.canonicalize import canonicalize
+from amp_compiler.passes.fx.fold_batch_norms import find_foldable_batch_norms, fold_batch_norms
+from amp_compiler.passes.fx.out_of_place_activations import ACTIVATIONS, find_inplace_activations, make_out_of_place
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
 from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
+from amp_compiler.passes.onnx.lower_moved_weights import lower_moved_onnx_weights
+from amp_compiler.passes.onnx.lower_movers_between_casts import lower_onnx_movers_between_casts
 from amp_compiler.passes.onnx.spec import FP16_MAX, is_float_type
+from amp_compiler.passes.onnx.store_tied_weights_once import store_onnx_tied_weights_once
+from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.runner import Pass, Pipeline
 from amp_compiler.passes.onnx.unify_input_types import unify_onnx_input_types
 from amp_compiler.passes.onnx.unique_names import unique_onnx_names
+from amp_compiler.passes.onnx.widen_denied_ops import widen_denied_onnx_ops
 from amp_compiler.passes.onnx.widen_refused_nodes import widen_refused_onnx_nodes
 from amp_compiler.passes.node_facts import facts
 
@@ -45,11 +66,13 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
 
     `args` are example inputs (a tuple, or one tensor); `dynamic_shapes` follows torch.export. Keyword
     overrides are convert()'s (allow_ops, deny_ops, force_fp32, force_low, keep_batchnorm_fp32, ...).
-    The export is an inference graph: dropout off, batch norm on running statistics.
+    The export is an inference graph: dropout off, batch norm on running statistics (folded into the
+    convolution before it where there is one; `model` itself is never changed).
     """
     started = time.perf_counter()
     args = args if isinstance(args, tuple) else (args,)
     config = make_config(level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
+    model, prepared = inference_copy(model, args, dynamic_shapes, config)
     gm = convert(model, level, example_inputs=args, dtype=dtype, keep_io_types=keep_io_types, **overrides)
     kept, notes = _weights_beyond_fp16(gm) if config.low_dtype == torch.float16 else ((), [])
     if kept:
@@ -61,9 +84,9 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
     report = OnnxConversionReport(type(model).__name__, os.fspath(path), config.level, config.low_dtype_name,
                                   config.keep_io_types, weight_bytes_before=fp32_weight_bytes(onnx_model),
                                   warnings=notes)
-    counts = run_export_pipeline(onnx_model, IR_LOW_DTYPES[config.low_dtype], config.keep_io_types)
+    counts = run_export_pipeline(onnx_model, config, gm)
     save_onnx_model(onnx_model, path)
-    report.pass_counts = counts
+    report.pass_counts = {**prepared, **counts}
     report.rows = [{"node": r["node"], "op_type": "(fx)", "op": r["op"], "precision": r["dtype"], "rule": r["rule"]}
                    for r in explain(gm).rows]
     report.casts, report.weight_bytes_after = count_casts(onnx_model), weight_bytes(onnx_model)
@@ -72,27 +95,74 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
     return report
 
 
+def inference_copy(model: nn.Module, args: tuple, dynamic_shapes, config: AmpConfig) -> tuple[nn.Module, dict]:
+    """`model`, or a copy of its module tree (sharing every tensor it does not replace) prepared for an
+    inference graph: eval BatchNorms folded into the convolutions before them (fold_batch_norms), in-place
+    activations out of place where nothing else sees the write (out_of_place_activations). Returns it with
+    what each step counted. Not at O0 (nothing is converted; torch.onnx's optimizer folds batch norms in an
+    fp32 export), not for a norm a force_* pattern names, and not for a model this cannot capture (convert()
+    then captures it again and says why)."""
+    counts = {"fold_batch_norms": {"batch_norms_folded": 0},
+              "out_of_place_activations": {"activations_made_out_of_place": 0}}
+    if not config.level_spec.paints or not isinstance(model, nn.Module) or not any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) or (isinstance(m, ACTIVATIONS) and m.inplace)
+            for m in model.modules()):
+        return model, counts
+    model, _ = unwrap_compiled(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)   # pytree deprecations inside torch.export
+            traced = trace(model, args, dynamic_shapes)
+    except Exception:  # noqa: BLE001 - convert() captures the model again and reports what fails
+        return model, counts
+    gm, rules = traced.graph_module, config.precision_rules()
+    canonicalize(gm)
+    norms = [p for p in find_foldable_batch_norms(gm) if rules.forced(p.norm, p.nodes[1]) is None]
+    activations = find_inplace_activations(gm) if traced.frontend == "fx.symbolic_trace" else []
+    if not norms and not activations:
+        return model, counts
+    root = share_module_tree(model)
+    counts["fold_batch_norms"] = fold_batch_norms(root, norms).counts
+    counts["out_of_place_activations"] = make_out_of_place(root, activations).counts
+    return root, counts
+
+
 @dataclass
 class ExportState:
     model: ir.Model
-    low: ir.DataType
-    keep_io_types: bool
+    config: AmpConfig
+    rules: PrecisionRules
+    low_families: frozenset[str] = frozenset()   # op families convert() painted low somewhere
+
+    @property
+    def low(self) -> ir.DataType:
+        return IR_LOW_DTYPES[self.config.low_dtype]
 
 
+_PAINTING = "when the level paints (levels.py; not O0)"
 EXPORT_PIPELINE = Pipeline("export_onnx", (
     Pass("unique_names", lambda s: unique_onnx_names(s.model)),
     Pass("unify_input_types", lambda s: unify_onnx_input_types(s.model)),   # torch's fp16-data/fp32-weight norms
     Pass("widen_refused_nodes", lambda s: widen_refused_onnx_nodes(s.model)),   # fp16 kernels ONNX Runtime refuses
+    Pass("widen_denied_ops", lambda s: widen_denied_onnx_ops(s.model, s.rules, s.low_families),   # sdpa's Softmax
+         when=lambda s: s.config.level_spec.paints, when_says=_PAINTING),
+    Pass("lower_moved_weights", lambda s: lower_moved_onnx_weights(s.model, s.low, s.rules),   # embedding tables
+         when=lambda s: s.config.level_spec.paints, when_says=_PAINTING),
     Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # after the casts above: Cast(weight) -> fp16 initializer
+    Pass("lower_movers_between_casts", lambda s: lower_onnx_movers_between_casts(s.model)),   # rows cast up, then down
+    Pass("store_tied_weights_once", lambda s: store_onnx_tied_weights_once(s.model)),   # weights in final dtypes
     Pass("lower_graph_inputs", lambda s: lower_onnx_graph_inputs(s.model, s.low),
-         when=lambda s: not s.keep_io_types, when_says="when keep_io_types=False"),
+         when=lambda s: not s.config.keep_io_types, when_says="when keep_io_types=False"),
     Pass("sort", lambda s: sort_nodes(s.model)),
 ), check=check_onnx_model)
 
 
-def run_export_pipeline(model: ir.Model, low: ir.DataType, keep_io_types: bool) -> dict:
-    """EXPORT_PIPELINE: the ONNX passes an exported graph needs; its precisions were decided by convert()."""
-    return EXPORT_PIPELINE.run(ExportState(model, low, keep_io_types))
+def run_export_pipeline(model: ir.Model, config: AmpConfig, gm: fx.GraphModule | None = None) -> dict:
+    """EXPORT_PIPELINE: the ONNX passes an exported graph needs; its precisions were decided by convert()
+    (`gm`, the converted graph that was exported)."""
+    low_families = frozenset(facts(n).get("family") for n in gm.graph.nodes
+                             if facts(n).get("precision") == "low") if gm is not None else frozenset()
+    return EXPORT_PIPELINE.run(ExportState(model, config, config.precision_rules(), low_families))
 
 
 def export_fp32_reference(model: nn.Module, args: tuple, path, dynamic_shapes=None) -> None:

@@ -1,0 +1,120 @@
+"""Fold each eval-mode BatchNorm into the convolution before it, for an inference export.
+
+    y = bn(conv(x))          ->   y = conv'(x)      conv'.weight = conv.weight * g / sqrt(var + eps)   (per channel)
+                                                    conv'.bias   = (conv.bias - mean) * g / sqrt(var + eps) + b
+                                                    bn is gone (nn.Identity in the module tree)
+
+In eval mode a batch norm is a fixed per-channel affine map, and the convolution before it is linear per
+output channel, so the pair is one convolution with other weights: every inference stack folds it, and
+torch.onnx's own optimizer does for an fp32 export. For a mixed-precision export the fold must come *before*
+painting: O1 keeps norms fp32, so an unfolded BatchNorm sits fp32 between two casts and drags the ReLU/Add
+around it into fp32 (ResNet-18: 40 casts where the folded fp32 model converted by convert_onnx has 5).
+Folding the exported ONNX afterwards would remove the BatchNorm but keep those neighbours' fp32 decisions;
+folding the module tree first lets convert() paint the graph an inference runtime actually executes, and
+works the same whatever the level decides for batch norms (fp32, or low activations with fp32 statistics).
+The folded weights are computed in fp32 and rounded to fp16 once, where the convolution runs low.
+
+Two steps, so the user's model is never touched:
+  find_foldable_batch_norms(gm)         analysis of a captured graph (torch.fx leaf modules, or torch.export
+                                        ATen ops): the (conv, batch norm) module paths that can be folded
+  fold_batch_norms(root, pairs)         rewrite of a module tree the caller owns (a share_module_tree copy):
+                                        new convolution modules with new parameters, nn.Identity for the norms
+A pair folds when the conv output's only reader is the norm, each module runs exactly once and its
+parameters are read nowhere else, the conv is a plain nn.Conv1d/2d/3d (not parametrized, no subclass
+forward such as weight standardisation) and the norm a plain BatchNorm with running statistics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.fusion import fuse_conv_bn_weights
+
+from amp_compiler.passes.fx.module_tree_edits import fresh_copy, get_module, set_module
+from amp_compiler.passes.runner import PassResult
+
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)            # exact types: a subclass may transform its weight in forward
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_ATEN_CONVS = ("conv1d", "conv2d", "conv3d")
+_ATEN_BATCH_NORM = "batch_norm"
+
+
+@dataclass(frozen=True)
+class ConvBatchNorm:
+    conv: str            # module path of the convolution
+    norm: str            # module path of the batch norm that reads its output
+    nodes: tuple[str, str]   # their node names in the captured graph (force_* patterns may name them)
+
+
+def find_foldable_batch_norms(gm: fx.GraphModule) -> list[ConvBatchNorm]:
+    """The (conv, batch norm) pairs of `gm` that fold_batch_norms can fold, in graph order."""
+    calls = [_module_call(gm, node) for node in gm.graph.nodes]
+    calls = {node: path for node, path in zip(gm.graph.nodes, calls) if path is not None}
+    runs: dict[str, int] = {}
+    for path in calls.values():
+        runs[path] = runs.get(path, 0) + 1
+    pairs = []
+    for node, path in calls.items():
+        module = get_module(gm, path)
+        if type(module) not in BATCH_NORMS or not _has_running_stats(module):
+            continue
+        source = node.args[0] if node.args else None
+        conv_path = calls.get(source) if isinstance(source, fx.Node) else None
+        if conv_path is None or type(get_module(gm, conv_path)) not in CONVS or len(source.users) != 1:
+            continue
+        conv = get_module(gm, conv_path)
+        if runs[path] != 1 or runs[conv_path] != 1 or parametrize.is_parametrized(conv) or \
+                conv.out_channels != module.num_features or conv.weight.dtype != torch.float32 or \
+                not _parameters_read_only_by(gm, conv_path, source) or not _parameters_read_only_by(gm, path, node):
+            continue
+        pairs.append(ConvBatchNorm(conv_path, path, (source.name, node.name)))
+    return pairs
+
+
+def fold_batch_norms(root: nn.Module, pairs: list[ConvBatchNorm]) -> PassResult:
+    """Replace, in `root` (a module tree the caller owns), each pair's conv by the folded conv and its norm
+    by nn.Identity. The modules and tensors `root` held before are left as they were."""
+    for pair in pairs:
+        conv, norm = get_module(root, pair.conv), get_module(root, pair.norm)
+        with torch.no_grad():
+            weight, bias = fuse_conv_bn_weights(conv.weight, conv.bias, norm.running_mean, norm.running_var,
+                                                norm.eps, norm.weight, norm.bias)
+        folded = fresh_copy(conv)
+        folded.weight, folded.bias = weight, bias
+        set_module(root, pair.conv, folded)
+        set_module(root, pair.norm, nn.Identity())
+    return PassResult(modified=bool(pairs), counts={"batch_norms_folded": len(pairs)})
+
+
+def _module_call(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """The module path a conv/batch-norm node runs: a call_module target, or (torch.export) the owner of
+    the weight an ATen conv/batch_norm reads."""
+    if node.op == "call_module":
+        return node.target
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    name = node.target.overloadpacket.__name__
+    if name not in _ATEN_CONVS and name != _ATEN_BATCH_NORM:
+        return None
+    weight = node.args[1] if len(node.args) > 1 else None
+    if not isinstance(weight, fx.Node) or weight.op != "get_attr" or not weight.target.endswith(".weight"):
+        return None
+    path = weight.target[:-len(".weight")]
+    expected = CONVS if name in _ATEN_CONVS else BATCH_NORMS
+    return path if isinstance(get_module(gm, path), expected) else None
+
+
+def _parameters_read_only_by(gm: fx.GraphModule, path: str, reader: fx.Node) -> bool:
+    """No node but `reader` reads the module's tensors (get_attr of `path.weight` ... elsewhere)."""
+    prefix = path + "."
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target.startswith(prefix) and any(u is not reader for u in node.users):
+            return False
+    return True
+
+
+def _has_running_stats(norm: nn.Module) -> bool:
+    return norm.track_running_stats and norm.running_mean is not None and norm.running_var is not None

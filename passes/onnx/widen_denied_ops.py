@@ -1,0 +1,74 @@
+"""Run in fp32, as the policy table says, the fragile ops that torch.onnx writes out of ops convert() ran low.
+
+    scaled_dot_product_attention (allow: convert() runs it fp16)   --torch.onnx-->   ... MatMul -> Softmax_f16 ...
+        ->   ... MatMul -> Cast(FLOAT) -> Softmax (fp32) -> Cast(FLOAT16) -> ...    "deny: softmax" (op_policy)
+    adaptive_avg_pool2d (infer: low)   --torch.export decomposes-->   ReduceMean_f16   ->   ReduceMean in fp32
+
+convert() decides one fx node at a time. sdpa is an allow op: torch runs it as one fused kernel that keeps
+its softmax statistics in fp32. ONNX (opset 18) has no such kernel, so the exporter writes the attention out
+as MatMul, Add, Softmax, MatMul in the dtype of the call: the Softmax becomes a plain fp16 node no rule ever
+looked at, while convert_onnx keeps every Softmax fp32 because the table denies it. Likewise a global average
+pool (a pooling op, infer) is exported as a ReduceMean (a reduction, deny). One table, one decision: an
+exported node that runs low and whose canonical op the rules deny runs fp32 between casts, unless convert()
+itself painted an op of that family low (norms reading low activations where the level says so, anything a
+user's force_low pattern names: `low_families`), or a force_low pattern names the node's module or the
+torch node it came from. Ops the table does not know (and other domains) are left as exported. Reads rules
+(the conversion's PrecisionRules) and low_families (from the converted GraphModule); counts the nodes widened.
+"""
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from amp_compiler.passes.onnx.canonicalize import all_nodes, canonical_onnx_op, module_path
+from amp_compiler.passes.onnx.cast_nodes import UniqueNames, cast_graph_output, make_cast, set_tensor_dtype
+from amp_compiler.passes.onnx.spec import FLOAT_TYPES, input_role, is_float_value
+from amp_compiler.passes.onnx.torch_origin import origin_node_name
+from amp_compiler.passes.policy.rules import PrecisionRules
+from amp_compiler.passes.runner import PassResult
+
+
+def widen_denied_onnx_ops(model: ir.Model, rules: PrecisionRules, low_families=frozenset()) -> PassResult:
+    names = UniqueNames(model)
+    widened = 0
+    for node in list(all_nodes(model.graph)):
+        low = _low_dtype_of(node)
+        if low is None or node.domain not in ("", "ai.onnx"):
+            continue
+        op_class, family, _ = rules.classify(canonical_onnx_op(node))
+        if op_class != "deny" or family in low_families or family == "unknown":
+            continue
+        forced = rules.forced(module_path(node), origin_node_name(node))
+        if forced is not None and forced[0] == "low":
+            continue
+        _widen(node, low, names)
+        widened += 1
+    return PassResult(modified=widened > 0, counts={"denied_nodes_widened": widened})
+
+
+def _low_dtype_of(node: ir.Node):
+    dtypes = {v.dtype for i, v in enumerate(node.inputs) if is_float_value(v) and input_role(node, i) == "data"}
+    low = dtypes & {t for t in FLOAT_TYPES if t != ir.DataType.FLOAT}
+    return next(iter(low)) if len(dtypes) == 1 and low else None
+
+
+def _widen(node: ir.Node, low: ir.DataType, names: UniqueNames) -> None:
+    """`node` reads fp32 copies of its low data inputs and writes fp32; its readers read a Cast back to `low`."""
+    shared: dict[ir.Value, ir.Value] = {}
+    for i, value in enumerate(node.inputs):
+        if is_float_value(value) and value.dtype == low and input_role(node, i) == "data":
+            if value not in shared:
+                shared[value] = make_cast(value, ir.DataType.FLOAT, names).outputs[0]
+            node.replace_input_with(i, shared[value])
+    for output in node.outputs:
+        if not (is_float_value(output) and output.dtype == low):
+            continue
+        uses = list(output.uses())
+        set_tensor_dtype(output, ir.DataType.FLOAT)
+        if uses:
+            back = make_cast(output, low, names).outputs[0]
+            for use in uses:
+                use.node.replace_input_with(use.idx, back)
+        graph = output.producer().graph
+        for index, value in enumerate(list(graph.outputs)):
+            if value is output:
+                cast_graph_output(graph, index, low, names)
