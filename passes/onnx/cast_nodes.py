@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from amp_compiler.passes.onnx.spec import DTYPE_NAMES
+from amp_compiler.passes.onnx.spec import DTYPE_NAMES, input_role, is_float_value
 
 
 def is_cast(node: ir.Node) -> bool:
@@ -116,3 +116,26 @@ def bypass_cast(cast: ir.Node) -> bool:
     output.replace_all_uses_with(source)
     graph.remove(cast, safe=True)
     return True
+
+
+def run_fp32_between_casts(node: ir.Node, low: ir.DataType, names: UniqueNames) -> None:
+    """`node` reads fp32 copies of its low data inputs and writes fp32; its readers read a Cast back to `low`."""
+    shared: dict[ir.Value, ir.Value] = {}
+    for i, value in enumerate(node.inputs):
+        if is_float_value(value) and value.dtype == low and input_role(node, i) == "data":
+            if value not in shared:
+                shared[value] = make_cast(value, ir.DataType.FLOAT, names).outputs[0]
+            node.replace_input_with(i, shared[value])
+    for output in node.outputs:
+        if not (is_float_value(output) and output.dtype == low):
+            continue
+        uses = list(output.uses())
+        set_tensor_dtype(output, ir.DataType.FLOAT)
+        if uses:
+            back = make_cast(output, low, names).outputs[0]
+            for use in uses:
+                use.node.replace_input_with(use.idx, back)
+        graph = output.producer().graph
+        for index, value in enumerate(list(graph.outputs)):
+            if value is output:
+                cast_graph_output(graph, index, low, names)

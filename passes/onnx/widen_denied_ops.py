@@ -20,7 +20,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from amp_compiler.passes.onnx.canonicalize import all_nodes, canonical_onnx_op, module_path
-from amp_compiler.passes.onnx.cast_nodes import UniqueNames, cast_graph_output, make_cast, set_tensor_dtype
+from amp_compiler.passes.onnx.cast_nodes import UniqueNames, run_fp32_between_casts
 from amp_compiler.passes.onnx.spec import FLOAT_TYPES, input_role, is_float_value
 from amp_compiler.passes.onnx.torch_origin import origin_node_name
 from amp_compiler.passes.policy.rules import PrecisionRules
@@ -40,7 +40,7 @@ def widen_denied_onnx_ops(model: ir.Model, rules: PrecisionRules, low_families=f
         forced = rules.forced(module_path(node), origin_node_name(node))
         if forced is not None and forced[0] == "low":
             continue
-        _widen(node, low, names)
+        run_fp32_between_casts(node, low, names)
         widened += 1
     return PassResult(modified=widened > 0, counts={"denied_nodes_widened": widened})
 
@@ -49,26 +49,3 @@ def _low_dtype_of(node: ir.Node):
     dtypes = {v.dtype for i, v in enumerate(node.inputs) if is_float_value(v) and input_role(node, i) == "data"}
     low = dtypes & {t for t in FLOAT_TYPES if t != ir.DataType.FLOAT}
     return next(iter(low)) if len(dtypes) == 1 and low else None
-
-
-def _widen(node: ir.Node, low: ir.DataType, names: UniqueNames) -> None:
-    """`node` reads fp32 copies of its low data inputs and writes fp32; its readers read a Cast back to `low`."""
-    shared: dict[ir.Value, ir.Value] = {}
-    for i, value in enumerate(node.inputs):
-        if is_float_value(value) and value.dtype == low and input_role(node, i) == "data":
-            if value not in shared:
-                shared[value] = make_cast(value, ir.DataType.FLOAT, names).outputs[0]
-            node.replace_input_with(i, shared[value])
-    for output in node.outputs:
-        if not (is_float_value(output) and output.dtype == low):
-            continue
-        uses = list(output.uses())
-        set_tensor_dtype(output, ir.DataType.FLOAT)
-        if uses:
-            back = make_cast(output, low, names).outputs[0]
-            for use in uses:
-                use.node.replace_input_with(use.idx, back)
-        graph = output.producer().graph
-        for index, value in enumerate(list(graph.outputs)):
-            if value is output:
-                cast_graph_output(graph, index, low, names)

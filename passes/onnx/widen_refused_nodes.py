@@ -14,7 +14,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from amp_compiler.passes.onnx.canonicalize import all_nodes
-from amp_compiler.passes.onnx.cast_nodes import UniqueNames, cast_graph_output, make_cast, set_tensor_dtype
+from amp_compiler.passes.onnx.cast_nodes import UniqueNames, run_fp32_between_casts
 from amp_compiler.passes.onnx.spec import FLOAT_TYPES, input_role, is_float_value, low_precision_blocker
 from amp_compiler.passes.runner import PassResult
 
@@ -27,15 +27,7 @@ def widen_refused_onnx_nodes(model: ir.Model) -> PassResult:
         low = _low_dtype_of(node)
         if low is None or low_precision_blocker(node, low, opset) is None:
             continue
-        shared: dict[ir.Value, ir.Value] = {}
-        for i, value in enumerate(node.inputs):
-            if is_float_value(value) and value.dtype == low and input_role(node, i) == "data":
-                if value not in shared:
-                    shared[value] = make_cast(value, ir.DataType.FLOAT, names).outputs[0]
-                node.replace_input_with(i, shared[value])
-        for output in node.outputs:
-            if is_float_value(output) and output.dtype == low:
-                _read_back_in(output, low, names)
+        run_fp32_between_casts(node, low, names)
         widened += 1
     return PassResult(modified=widened > 0, counts={"refused_nodes_widened": widened})
 
@@ -44,17 +36,3 @@ def _low_dtype_of(node: ir.Node):
     dtypes = {v.dtype for i, v in enumerate(node.inputs) if is_float_value(v) and input_role(node, i) == "data"}
     low = dtypes & {t for t in FLOAT_TYPES if t != ir.DataType.FLOAT}
     return next(iter(low)) if len(low) == 1 else None
-
-
-def _read_back_in(output: ir.Value, low: ir.DataType, names: UniqueNames) -> None:
-    """`output` becomes fp32; whoever read it reads a cast back to `low`, graph outputs keep name and dtype."""
-    uses = list(output.uses())
-    set_tensor_dtype(output, ir.DataType.FLOAT)
-    if uses:
-        back = make_cast(output, low, names).outputs[0]
-        for use in uses:
-            use.node.replace_input_with(use.idx, back)
-    graph = output.producer().graph
-    for index, value in enumerate(list(graph.outputs)):
-        if value is output:
-            cast_graph_output(graph, index, low, names)
