@@ -53,14 +53,12 @@ def test_o1_paints_by_the_policy_and_matches_fp32(net):
     gm = convert(net, "O1")
     painted = precision_by_op(gm)
     assert painted["linear"] == {"low"}
-    assert painted["softmax"] == {"fp32"}
-    # Norms between low ops read the low activations (mixed kernels: fp32 weights and statistics);
-    # keep_batchnorm_fp32=False runs them in fp32 between casts (tests/test_mixed_norms.py measures both).
-    assert painted["layer_norm"] == painted["batch_norm"] == {"low"}
-    assert all("fp32 weights and statistics" in r["rule"] for r in explain(gm).rows
-               if r["op"] in ("layer_norm", "batch_norm"))
-    fp32_norms = precision_by_op(convert(net, "O1", keep_batchnorm_fp32=False))
-    assert fp32_norms["layer_norm"] == fp32_norms["batch_norm"] == {"fp32"}
+    assert painted["softmax"] == painted["layer_norm"] == {"fp32"}
+    # Batch norms read the low activations (mixed kernels: fp32 weights and statistics); layer norms and,
+    # with keep_batchnorm_fp32=False, batch norms run in fp32 between casts (tests/test_mixed_norms.py).
+    assert painted["batch_norm"] == {"low"}
+    assert all("fp32 weights and statistics" in r["rule"] for r in explain(gm).rows if r["op"] == "batch_norm")
+    assert precision_by_op(convert(net, "O1", keep_batchnorm_fp32=False))["batch_norm"] == {"fp32"}
     assert painted["gelu"] == {"low"}  # between two matmuls: the gap is closed
     net.eval(), gm.eval()
     assert_close_to_fp32(gm(X), net(X), torch.float16)

@@ -74,11 +74,14 @@ def test_every_level_reads_its_entry(name):
 
 
 def test_mixed_kernel_norms_are_a_table_entry(monkeypatch):
-    # O1 runs batch/layer/group norms on low activations with fp32 weights because its entry says so.
-    assert LEVELS["O1"].mixed_norms == "allow" and LEVELS["O0"].mixed_norms is None
-    assert make_config("O1").precision_rules().classify("batch_norm")[0] == "allow"
-    monkeypatch.setitem(LEVELS, "O1", dataclasses.replace(LEVELS["O1"], mixed_norms=None))
+    # O1 runs batch/group norms on low activations with fp32 weights because its entry says so.
+    assert LEVELS["O1"].mixed_norms == ("batch_norm", "group_norm") and LEVELS["O0"].mixed_norms == ()
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3))
+    x = torch.randn(2, 3, 8, 8)
+    batch_norm = lambda gm: {n.meta["amp"]["precision"] for n in gm.graph.nodes  # noqa: E731
+                             if n.meta["amp"].get("op") == "batch_norm"}
+    assert batch_norm(amp_compiler.convert(net, "O1", example_inputs=(x,))) == {"low"}
+    monkeypatch.setitem(LEVELS, "O1", dataclasses.replace(LEVELS["O1"], mixed_norms=()))
     rules = make_config("O1").precision_rules()
     assert rules.classify("batch_norm")[0] == "deny" and not rules.keeps_fp32_weights("batch_norm")
-    gm = amp_compiler.convert(LinearNormNet(), "O1", example_inputs=(torch.randn(2, 8),))
-    assert {n.meta["amp"]["precision"] for n in gm.graph.nodes if n.meta["amp"].get("op") == "layer_norm"} == {"fp32"}
+    assert batch_norm(amp_compiler.convert(net, "O1", example_inputs=(x,))) == {"fp32"}

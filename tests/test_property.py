@@ -7,7 +7,7 @@ from torch import nn
 from amp_compiler import convert
 from amp_testing import assert_cast_invariants, assert_close_to_fp32, precision_by_op
 from amp_compiler.passes.policy.op_policy import POLICY
-from amp_compiler.passes.policy.rules import MIXED_KERNEL_NORMS
+from amp_compiler.passes.policy.levels import LEVELS
 
 DIM = 8
 # op code -> (canonical op, how it transforms (hidden, previous hidden, module, index))
@@ -61,7 +61,7 @@ def test_random_models_are_valid_and_close_to_fp32(codes, dtype, level, seed):
         for op, precisions in painted.items():
             if op in POLICY and POLICY[op].op_class == "allow":
                 assert precisions == {"low"}, op
-            if op in POLICY and POLICY[op].op_class == "deny" and op not in MIXED_KERNEL_NORMS:
+            if op in POLICY and POLICY[op].op_class == "deny" and op not in LEVELS["O1"].mixed_norms:
                 assert precisions == {"fp32"}, op
     if level == "O3":  # every computing op is low; data movement may stay with fp32 inputs
         for node in gm.graph.nodes:

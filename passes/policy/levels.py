@@ -1,6 +1,6 @@
 """The optimisation levels as data: one entry per level, read by everything that depends on the level.
 
-    O0  no change, no cast            O1  the op policy (allow/infer/deny/clear painting), mixed-kernel norms
+    O0  no change, no cast            O1  the op policy (allow/infer/deny/clear painting), mixed batch/group norms
     O2  all low except norms/losses, dynamic loss scaling          O3  all low, no loss scaling
 Adding a level is one entry here. `rules.PrecisionRules` re-classifies the policy table with it,
 `convert`/`convert_onnx` skip painting where `paints` is False, `config` takes the norm default from it,
@@ -21,23 +21,24 @@ class Level:
     keep_norm_fp32: bool                # the default of keep_batchnorm_fp32
     loss_scaling: str | None            # build_train_network's default manager: "dynamic" (fp16; bf16 scale 1) or None
     master_weights: str = "fp32"        # what the optimizer updates: the fp32 parameters, at every level
-    # The class of batch/layer/group norms with keep_batchnorm_fp32: torch runs them as mixed kernels (low
-    # activations in, fp32 weights and statistics, fp32 accumulation: tests/test_mixed_norms.py measures them as
-    # close to fp32 as the norm between two casts). "allow": a conv -> bn -> relu -> conv chain needs no cast
-    # ("infer" left a cast pair around an fp16 dropout between an fp32 embedding sum and the first norm of
-    # GPT-2). ONNX has no mixed LayerNormalization: its scale follows the data. None: the policy's class (fp32).
-    mixed_norms: str | None = None
+    # Norms that run as mixed kernels with keep_batchnorm_fp32: low activations in, fp32 weights and statistics,
+    # fp32 accumulation, painted "allow" (a conv -> bn -> relu -> conv chain needs no cast pair). O1 takes batch
+    # and group norm only: tests/test_mixed_norms.py finds them as close to fp32 as the norm between two casts,
+    # but not a post-norm LayerNorm, whose output is the residual stream (HF BERT at O1 fp16: 100x autocast's
+    # error). ONNX has no mixed LayerNormalization: its scale follows the data.
+    mixed_norms: tuple[str, ...] = ()
 
 
+ALL_MIXED = ("batch_norm", "layer_norm", "group_norm")   # the norms torch has mixed kernels for
 LEVELS: dict[str, Level] = {level.name: level for level in (
     Level("O0", "no change, no cast", paints=False, lowers=(), keeps_losses_fp32=True, keep_norm_fp32=True,
           loss_scaling=None),
     Level("O1", "the op policy (allow/infer/deny/clear painting)", paints=True, lowers=(),
-          keeps_losses_fp32=True, keep_norm_fp32=True, loss_scaling=None, mixed_norms="allow"),
+          keeps_losses_fp32=True, keep_norm_fp32=True, loss_scaling=None, mixed_norms=("batch_norm", "group_norm")),
     Level("O2", "all low except norms and losses, dynamic loss scaling", paints=True, lowers=("deny", "infer"),
-          keeps_losses_fp32=True, keep_norm_fp32=True, loss_scaling="dynamic", mixed_norms="allow"),
+          keeps_losses_fp32=True, keep_norm_fp32=True, loss_scaling="dynamic", mixed_norms=ALL_MIXED),
     Level("O3", "all low, no loss scaling", paints=True, lowers=("deny", "infer"), keeps_losses_fp32=False,
-          keep_norm_fp32=False, loss_scaling=None, mixed_norms="allow"),
+          keep_norm_fp32=False, loss_scaling=None, mixed_norms=ALL_MIXED),
 )}
 
 

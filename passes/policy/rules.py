@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-from amp_compiler.passes.policy.levels import Level, level_of
+from amp_compiler.passes.policy.levels import ALL_MIXED, Level, level_of
 from amp_compiler.passes.policy.op_policy import OpRule, policy_for
 
 # Families that keep_batchnorm_fp32 keeps in fp32 (Apex, MindSpore's O2), and that a level may keep fp32.
@@ -18,15 +18,15 @@ NORM_FAMILIES = ("norm",)
 LOSS_FAMILIES = ("loss",)
 # Norm kernels that take low-precision activations with fp32 weights and accumulate their statistics in
 # fp32 (cuDNN/ATen "mixed" kernels, what Apex's O2 relies on): with keep_batchnorm_fp32 they keep fp32
-# weights and statistics without casting the activations up and back down (the level's `mixed_norms`).
-MIXED_KERNEL_NORMS = ("batch_norm", "layer_norm", "group_norm")
+# weights and statistics without casting the activations up and back down (which: the level's `mixed_norms`).
+MIXED_KERNEL_NORMS = ALL_MIXED
 MIXED_KERNEL_REASON = "fp32 weights and statistics on low-precision activations (mixed kernel, fp32 accumulation)"
 
 
 def _level_class(rule: OpRule, level: Level, keep_norm_fp32: bool) -> tuple[str, str]:
     """Class of one op at one level (levels.py says what each level re-classifies), with the reason to report."""
-    if rule.op in MIXED_KERNEL_NORMS and keep_norm_fp32 and level.mixed_norms is not None:
-        return level.mixed_norms, f"{level.name}: {MIXED_KERNEL_REASON}"
+    if rule.op in level.mixed_norms and keep_norm_fp32:
+        return "allow", f"{level.name}: {MIXED_KERNEL_REASON}"
     if rule.op_class not in level.lowers:
         return rule.op_class, rule.reason
     if rule.family in LOSS_FAMILIES and level.keeps_losses_fp32:
@@ -80,7 +80,7 @@ class PrecisionRules:
 
     def keeps_fp32_weights(self, op: str) -> bool:
         """Whether a low-precision `op` reads its weights in fp32 (a mixed norm kernel, where the level lowers norms)."""
-        return level_of(self.level).mixed_norms is not None and self.keep_norm_fp32 and op in MIXED_KERNEL_NORMS
+        return self.keep_norm_fp32 and op in level_of(self.level).mixed_norms
 
     def forced(self, module_path: str, node_name: str) -> tuple[str, str] | None:
         """('fp32'|'low', rule text) when a force_* pattern names this node or a module around it."""
