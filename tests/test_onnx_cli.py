@@ -1,4 +1,4 @@
-"""The export / convert-onnx subcommands as the lead's amp_compiler/cli.py mounts them."""
+"""The export / convert-onnx subcommands as amp_compiler/cli mounts them."""
 import argparse
 
 import numpy as np
@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from amp_compiler.onnx.cli import add_convert_onnx_parser, add_export_parser
+from amp_compiler.cli.onnx_commands import add_convert_onnx_parser, add_export_parser
 from onnx_testing import F32, assert_valid, initializer, make_model, save, tensor_input
 
 
@@ -49,7 +49,7 @@ def test_export_builds_the_factory_and_validates(cli, tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (("convert-onnx", "{tmp}/absent.onnx", "{tmp}/o.onnx"), "absent.onnx: no such ONNX file"),
     (("convert-onnx", "{model}", "{tmp}/o.onnx", "--level", "O9"), "got 'O9'"),
-    (("export", "models:no_such_factory", "{tmp}/o.onnx"), "cannot load models:no_such_factory"),
+    (("export", "models:no_such_factory", "{tmp}/o.onnx"), "has no function 'no_such_factory'"),
     (("export", "models", "{tmp}/o.onnx"), "expected MODULE:FACTORY"),
     (("export", "torch.nn:Linear", "{tmp}/o.onnx", "--kwarg", "in_features=2", "--kwarg", "out_features=2"),
      "give its example inputs with --input-shape"),

@@ -1,4 +1,4 @@
-"""The `explain`, `compare` and `render` subcommands, for amp_compiler/cli.py to mount on its parser.
+"""The `explain`, `compare` and `render` subcommands, for amp_compiler/cli/__init__.py to mount on its parser.
 
     amp-compiler explain MODULE:FACTORY [--level O2] [--dtype bf16] [--only fp32] [--html out.html]
     amp-compiler compare MODULE:FACTORY [--level O2] [--rtol 0.01]
@@ -15,16 +15,12 @@ code: 0 ok, 1 when compare finds the outputs past tolerance, 2 for a usage error
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import os
-import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from amp_compiler.onnx.cli import LEVEL_CHOICES_HELP, _keyword   # the export command's --kwarg and --level
+from amp_compiler.cli.arguments import LEVEL_CHOICES_HELP, load_factory
 
 
 def add_insight_parsers(subparsers) -> None:
@@ -121,51 +117,3 @@ def _converted(args) -> tuple[nn.Module, tuple, torch.fx.GraphModule]:
                                                calibration_data=samples)
 
 
-def load_factory(spec: str, kwargs: list[str] = ()) -> tuple[nn.Module, tuple, list | None]:
-    """Call MODULE:FACTORY (MODULE: importable from the current directory, or a .py file's path) and
-    return (model, example_inputs, calibration_data or None) from what it returns; errors say where the
-    module was looked for."""
-    module_name, _, attribute = spec.rpartition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"expected MODULE:FACTORY (mymodels:make or path/to/mymodels.py:make), got {spec!r}")
-    module, where = _import(module_name)
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise ValueError(f"{where} has no function {attribute!r}; it defines: {', '.join(defined) or 'nothing callable'}")
-    made = factory(**dict(_keyword(k) for k in kwargs))
-    if hasattr(made, "model") and hasattr(made, "example_inputs"):
-        made = (made.model, made.example_inputs, getattr(made, "calibration_data", None))
-    if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module)):
-        raise TypeError(f"{spec} returned {type(made).__name__}; a factory returns (model, example_inputs), "
-                        "(model, example_inputs, calibration_data) or an object with .model and .example_inputs")
-    model, inputs, calibration = (*made, None)[:3]
-    return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), calibration
-
-
-def _import(name: str):
-    """The module and where it came from; a path (a / or .py) is loaded from that file."""
-    if name.endswith(".py") or os.sep in name or "/" in name:
-        path = Path(name).expanduser().resolve()
-        if not path.is_file():
-            raise ValueError(f"cannot load {name}: no such file (looked for {path})")
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(path.parent))      # the file's own imports of its neighbours work
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            sys.path.remove(str(path.parent))
-        return module, f"{path}"
-    cwd = os.getcwd()
-    if cwd not in sys.path:   # like `python -m`: the current directory's modules are importable
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name != name.split(".")[0] and error.name != name:
-            raise                                    # the module exists; something it imports does not
-        raise ValueError(f"cannot import module {name!r}: looked in the current directory ({cwd}) and on "
-                         f"Python's path; give a file path instead (path/to/{name.replace('.', '/')}.py:FACTORY)") \
-            from None
-    return module, f"module {name} ({getattr(module, '__file__', None) or 'built in'})"

@@ -1,4 +1,4 @@
-"""The `export` and `convert-onnx` subcommands, for amp_compiler/cli.py to mount on its parser.
+"""The `export` and `convert-onnx` subcommands, for amp_compiler/cli/__init__.py to mount on its parser.
 
     amp-compiler export models:build out.onnx --kwarg name=bert --level O1 [--validate]
     amp-compiler convert-onnx model.onnx model_fp16.onnx --level O1 [--op-block-list Softmax ...]
@@ -11,17 +11,10 @@ a usage error such as a bad file, level or factory, printed as one line on stder
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
-import os
 import sys
 
-import torch
-from torch import nn
 
-from amp_compiler.passes.policy.levels import LEVELS
-
-LEVEL_CHOICES_HELP = f"{', '.join(LEVELS)} or auto (default O1)"
+from amp_compiler.cli.arguments import LEVEL_CHOICES_HELP, load_factory
 
 
 def add_export_parser(subparsers) -> argparse.ArgumentParser:
@@ -71,7 +64,7 @@ def run_export(args) -> int:
     from amp_compiler.onnx.files import UnwritableDestinationError
     from amp_compiler.onnx.validate import validate_onnx
     try:
-        model, example_inputs = _load_factory(args.factory, args.kwarg, args.input_shape)
+        model, example_inputs, _ = load_factory(args.factory, args.kwarg, args.input_shape)
         report = export_onnx(model, example_inputs, args.output, level=args.level, dtype=args.dtype,
                              keep_io_types=args.keep_io_types, **_force(args))
         print(report)
@@ -101,47 +94,6 @@ def run_convert_onnx(args) -> int:
 
 def _force(args) -> dict:
     return {"force_fp32": list(args.force_fp32)} if args.force_fp32 else {}
-
-
-def _load_factory(spec: str, kwargs: list[str], shapes: list[str]) -> tuple[nn.Module, tuple]:
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"expected MODULE:FACTORY, got {spec!r}")
-    if os.getcwd() not in sys.path:   # like `python -m`: the current directory's modules are importable
-        sys.path.insert(0, os.getcwd())
-    try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"cannot load {spec}: {error}") from error
-    made = factory(**dict(_keyword(k) for k in kwargs))
-    if hasattr(made, "model") and hasattr(made, "example_inputs"):
-        return made.model, tuple(made.example_inputs)
-    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
-        inputs = made[1]
-        return made[0], inputs if isinstance(inputs, tuple) else (inputs,)
-    if isinstance(made, nn.Module):
-        if not shapes:
-            raise ValueError(f"{spec} returned a bare module: give its example inputs with --input-shape")
-        return made, tuple(torch.randn(*_shape(s)) for s in shapes)
-    raise TypeError(f"{spec} returned {type(made).__name__}; expected an object with .model and "
-                    ".example_inputs, a (model, example_inputs) pair, or an nn.Module")
-
-
-def _keyword(text: str) -> tuple[str, object]:
-    name, sep, raw = text.partition("=")
-    if not sep or not name:
-        raise ValueError(f"--kwarg expects NAME=VALUE, got {text!r}")
-    try:
-        return name, ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        return name, raw
-
-
-def _shape(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(d) for d in text.split(","))
-    except ValueError:
-        raise ValueError(f"--input-shape expects comma-separated integers, got {text!r}") from None
 
 
 def _usage_error(command: str, error: Exception) -> int:
