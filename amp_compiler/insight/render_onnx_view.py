@@ -75,12 +75,10 @@ def _entry(name, op, kind, precision, dtype, module, rule, inputs, reads, rules,
 
 
 def _load(source) -> tuple[ir.Model, str]:
-    if isinstance(source, ir.Model):
-        return source, source.graph.name or "model"
-    if hasattr(source, "SerializeToString"):           # onnx.ModelProto
-        return ir.serde.deserialize_model(source), source.graph.name or "model"
-    from amp_compiler.onnx.files import load_onnx_model
-    return load_onnx_model(source), os.path.basename(os.fspath(source))
+    from amp_compiler.onnx.files import load_onnx_model   # the one reader of ONNX sources (paths, protos, models)
+    model = load_onnx_model(source)
+    is_path = isinstance(source, (str, os.PathLike))
+    return model, os.path.basename(os.fspath(source)) if is_path else model.graph.name or "model"
 
 
 def _dtype(value: ir.Value) -> str:
