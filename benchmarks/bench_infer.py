@@ -2,7 +2,9 @@
 and with --compile the same under torch.compile (inductor). Alternated runs, medians; one table.
 
     python benchmarks/bench_infer.py [--size full] [--repeats 15] [--real tv_resnet18,tv_efficientnet_b0]
-    python benchmarks/bench_infer.py --compile --only mlp,bert          # inductor: about a minute per model
+    python benchmarks/bench_infer.py --compile --only mlp,bert          # inductor: minutes per model on 2 cores
+
+--compile adds a second table: the train step (forward + backward), ours and autocast, eager and compiled.
 
 Columns: milliseconds per call of each variant, the ratios ours/autocast and frozen/autocast, runtime casts
 per call (aten._to_copy) of ours, frozen and autocast, and the bytes the frozen copies hold against the
@@ -89,6 +91,44 @@ def measure(model, inputs, repeats: int, compile_too: bool) -> dict:
     return row
 
 
+def train_step(model, inputs, repeats: int) -> dict:
+    """ms per train step (forward, backward) of ours and autocast, eager and compiled (inductor)."""
+    model.train()
+    ours = amp_compiler.convert(model, "O1", dtype=LOW, example_inputs=inputs).train()
+
+    def autocast_forward(*args):
+        with torch.autocast("cpu", dtype=LOW):
+            return model(*args)
+
+    compiled_model = torch.compile(model)
+
+    def compiled_autocast(*args):
+        with torch.autocast("cpu", dtype=LOW):
+            return compiled_model(*args)
+
+    forwards = {"autocast": autocast_forward, "ours": ours, "autocast+compile": compiled_autocast,
+                "ours+compile": torch.compile(ours)}
+
+    def step(forward):
+        def run():
+            model.zero_grad(set_to_none=True)
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                forward(*inputs).float().square().mean().backward()
+        return run
+
+    runs = {name: step(forward) for name, forward in forwards.items()}
+    for run in runs.values():
+        run(), run()
+    samples = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="full", choices=("small", "full"))
@@ -118,6 +158,16 @@ def main() -> None:
           "alternated runs", ["model", *names, "ours/ac", "frozen/ac",
                               *(["frozen+c/ac+c"] if args.compile else []), "casts ours/frozen/ac",
                               "frozen MB/fp32 MB"], rows)
+    if not args.compile:
+        return
+    train_rows = []
+    for name, make in cases:
+        ms = train_step(*make(), args.repeats)
+        train_rows.append([name, *(f"{ms[k]:.2f}" for k in ms), f"{ms['ours'] / ms['autocast']:.2f}",
+                           f"{ms['ours+compile'] / ms['autocast+compile']:.2f}"])
+        print("  ".join(train_rows[-1]), flush=True)
+    table(f"train step (forward + backward) ms, bf16, CPU, {args.threads} thread(s), median of {args.repeats}",
+          ["model", "autocast", "ours", "autocast+compile", "ours+compile", "ours/ac", "ours+c/ac+c"], train_rows)
 
 
 if __name__ == "__main__":
