@@ -76,6 +76,8 @@ class FrozenWeights(nn.Module):
         key = (id(weight), dtype)
         copy = self._copies.get(key)
         if copy is None or not copy.still_of(weight):
+            # copies of weights that are gone (a replaced Parameter) go too
+            self._copies = {k: c for k, c in self._copies.items() if c.source() is not None}
             copy = self._copies[key] = _Copy.of(weight, dtype)
             self.copies_made += 1
         return copy.low
