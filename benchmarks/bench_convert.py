@@ -94,7 +94,8 @@ def casts_per_forward(size: str):
                          f"{counts['O1'][0] / max(theirs.casts, 1):.2f}",
                          f"{counts['O2'][0] / max(theirs.casts, 1):.2f}", counts["O1"][1]])
     table("casts per forward + loss (runtime _to_copy count; lower is better). CPU autocast runs softmax, "
-          "layer/batch norm and scatter-adds in low precision; amp-compiler O1 keeps them fp32",
+          "layer/batch norm and scatter-adds in low precision; amp-compiler O1 keeps softmax, layer norm and "
+          "scatter-adds fp32 and runs batch/group norms on low activations with fp32 weights",
           ["model", "dtype", "O1", "O2", "autocast", "O1/autocast", "O2/autocast", "fp32 ops at O1"], rows)
 
 
