@@ -54,11 +54,15 @@ def test_o1_paints_by_the_policy_and_matches_fp32(net):
     painted = precision_by_op(gm)
     assert painted["linear"] == {"low"}
     assert painted["softmax"] == painted["layer_norm"] == {"fp32"}
-    # Batch norms read the low activations (mixed kernels: fp32 weights and statistics); layer norms and,
-    # with keep_batchnorm_fp32=False, batch norms run in fp32 between casts (tests/test_mixed_norms.py).
-    assert painted["batch_norm"] == {"low"}
-    assert all("fp32 weights and statistics" in r["rule"] for r in explain(gm).rows if r["op"] == "batch_norm")
-    assert precision_by_op(convert(net, "O1", keep_batchnorm_fp32=False))["batch_norm"] == {"fp32"}
+    # A batch norm between low ops reads the low activations (mixed kernel: fp32 weights and statistics);
+    # this one reads the fp32 layer norm's output, so it stays fp32 rather than cast it down
+    # (tests/test_mixed_norms.py). With keep_batchnorm_fp32=False every norm runs fp32 between casts.
+    assert painted["batch_norm"] == {"fp32"}
+    assert [r["rule"].startswith("infer: fed by fp32 op encoder_layers_1_norm") for r in explain(gm).rows
+            if r["op"] == "batch_norm"] == [True]
+    conv_bn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    assert precision_by_op(convert(conv_bn, "O1"))["batch_norm"] == {"low"}
+    assert precision_by_op(convert(conv_bn, "O1", keep_batchnorm_fp32=False))["batch_norm"] == {"fp32"}
     assert painted["gelu"] == {"low"}  # between two matmuls: the gap is closed
     net.eval(), gm.eval()
     assert_close_to_fp32(gm(X), net(X), torch.float16)

@@ -26,7 +26,10 @@ MIXED_KERNEL_REASON = "fp32 weights and statistics on low-precision activations 
 def _level_class(rule: OpRule, level: Level, keep_norm_fp32: bool) -> tuple[str, str]:
     """Class of one op at one level (levels.py says what each level re-classifies), with the reason to report."""
     if rule.op in level.mixed_norms and keep_norm_fp32:
-        return "allow", f"{level.name}: {MIXED_KERNEL_REASON}"
+        # A mixed kernel saves the cast pair around a norm whose input is already low; it is no reason to
+        # cast an fp32 input down (a weight standardised by batch_norm stays fp32): an infer op, unless the
+        # level lowers infer ops anyway.
+        return ("allow" if "infer" in level.lowers else "infer"), f"{level.name}: {MIXED_KERNEL_REASON}"
     if rule.op_class not in level.lowers:
         return rule.op_class, rule.reason
     if rule.family in LOSS_FAMILIES and level.keeps_losses_fp32:
