@@ -217,7 +217,7 @@ def test_chromium_draws_an_onnx_page(onnx_fp16, tmp_path):
 @needs_browser
 def test_a_2000_node_graph_opens_collapsed_by_module_and_expands(deep_gpt, tmp_path):
     nodes = picture_nodes(deep_gpt)
-    assert len(nodes) > 1800            # 2,013 when written; fewer casts since (1,893 with O1 norms mixed)
+    assert len(nodes) > 1800            # 2,053 at O1 today (2,013 when written; the count moves with cast placement)
     page = render(deep_gpt, tmp_path / "deep.html")
     dom = headless(page, "--dump-dom").stdout
     data = body_data(dom)
