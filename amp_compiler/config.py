@@ -18,7 +18,7 @@ LOW_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.flo
               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 RULE_KEYS = ("allow_ops", "deny_ops", "infer_ops", "clear_ops", "force_fp32", "force_low")
 OVERRIDE_KEYS = ("keep_batchnorm_fp32", "cast_model_type", "dtype", "loss_scale_manager", "keep_io_types",
-                 *RULE_KEYS)
+                 "cast_placement", *RULE_KEYS)
 
 
 @dataclass
@@ -30,6 +30,7 @@ class AmpConfig:
     keep_io_types: bool
     loss_scale_manager: Any
     rule_options: dict = field(default_factory=dict)
+    cast_placement: bool = True     # move casts at fp32 islands' edges to where fewer bytes cross (place_casts)
 
     @property
     def level_spec(self) -> Level:
@@ -76,7 +77,10 @@ def make_config(level: str = "O1", **overrides) -> AmpConfig:
     keep_io = overrides.get("keep_io_types", True)
     if not isinstance(keep_io, bool):
         raise ValueError(f"keep_io_types must be True or False, got {keep_io!r}")
-    config = AmpConfig(level=level, requested_level=requested, low_dtype=low,
+    placement = overrides.get("cast_placement", True)
+    if not isinstance(placement, bool):
+        raise ValueError(f"cast_placement must be True or False, got {placement!r}")
+    config = AmpConfig(level=level, requested_level=requested, low_dtype=low, cast_placement=placement,
                        keep_norm_fp32=keep_norms if keep_norms is not None else LEVELS[level].keep_norm_fp32,
                        keep_io_types=keep_io, loss_scale_manager=overrides.get("loss_scale_manager"),
                        rule_options={k: overrides[k] for k in RULE_KEYS if k in overrides})

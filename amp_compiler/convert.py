@@ -27,6 +27,7 @@ from amp_compiler.passes.fx.infer_dtypes import infer_dtypes
 from amp_compiler.passes.fx.insert_casts import insert_casts, output_value_nodes
 from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
 from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
+from amp_compiler.passes.fx.place_casts import FxCastPlacement
 from amp_compiler.passes.fx.propagate_values import propagate_values
 from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline
@@ -100,8 +101,13 @@ def _paints(state: FxState) -> bool:
 
 
 def _decide(state: FxState) -> PassResult:
+    rules = state.config.precision_rules()
     hooks = calibrated_hooks(state.gm.graph.nodes, state.low)   # calibrated: the ranges decide too
-    return decide_fx_precision(state.gm, state.config.precision_rules(), painted=hooks)
+    placement = FxCastPlacement(state.gm, rules, state.config.keep_io_types) if state.config.cast_placement else None
+    result = decide_fx_precision(state.gm, rules, painted=(*hooks, placement) if placement else hooks)
+    if placement is not None:   # after calibration: casts move around the precisions the ranges allow
+        result.counts.update(placement.counts)
+    return result
 
 
 def check_fx_graph(state: FxState) -> None:

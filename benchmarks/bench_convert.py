@@ -25,9 +25,11 @@ from models import ZOO_NAMES, build  # noqa: E402
 
 
 class CastCounter(TorchDispatchMode):
+    """Dtype-changing casts at run time, and their bytes (the fp32 side of each: input or output)."""
+
     def __init__(self):
         super().__init__()
-        self.casts = 0
+        self.casts, self.bytes = 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -35,6 +37,7 @@ class CastCounter(TorchDispatchMode):
         if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.to) and isinstance(out, torch.Tensor) \
                 and isinstance(args[0], torch.Tensor) and args[0].dtype != out.dtype:
             self.casts += 1
+            self.bytes += max(args[0].nbytes, out.nbytes)
         return out
 
 

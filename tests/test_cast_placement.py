@@ -1,0 +1,137 @@
+"""Cast placement (passes/painting/place_casts.py): casts move to the side of a data-movement op where fewer
+bytes cross; outputs and gradients stay those of the painted graph, forced nodes never move."""
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from amp_compiler import convert, explain
+from amp_compiler.passes.painting.place_casts import CastPlacement, ValueFlow, cast_bytes
+
+LOW = torch.bfloat16
+
+
+class SliceExpandPool(nn.Module):
+    """Edges of fp32 islands where painting casts the big side:
+    a slice and a max of a big fp32 input read by linears (one cast of the input, before both),
+    a small low gate expanded into an fp32 residual add (cast after the expand),
+    a max pool of a big fp32 image read by a conv (cast before the pool)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.gate, self.out = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+        self.norm = nn.LayerNorm(32)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x, img):
+        head = self.proj(x[:, :16])                                           # (4, 16, 32) of (4, 256, 32)
+        gate = self.gate(x.amax(dim=1, keepdim=True)).expand(-1, 256, -1)    # (4, 1, 32) made (4, 256, 32)
+        residual = self.norm(x.softmax(-1) + gate)                            # fp32: softmax's value + the gate
+        pooled = self.conv(F.max_pool2d(img, 4))                              # (2, 3, 64, 64) -> (2, 3, 16, 16)
+        return self.out(head).sum() + residual.sum() + pooled.sum()
+
+
+def inputs():
+    torch.manual_seed(0)
+    return torch.randn(4, 256, 32), torch.randn(2, 3, 64, 64)
+
+
+class CastBytes(TorchDispatchMode):
+    """Bytes of the dtype-changing aten._to_copy calls (their fp32 side)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten._to_copy and args[0].dtype != out.dtype:
+            self.bytes += max(args[0].nbytes, out.nbytes)
+        return out
+
+
+def runtime_cast_bytes(gm, args) -> int:
+    with torch.no_grad(), CastBytes() as counter:
+        gm(*args)
+    return counter.bytes
+
+
+def gradients(gm, model, args):
+    model.zero_grad()
+    leaves = [a.clone().requires_grad_() for a in args]
+    out = gm(*leaves)
+    out.backward()
+    # A max's gradient goes to one of the values bf16 rounding ties (the painted graph maxes rounded values,
+    # the placed one exact values): compare the inputs' gradients per pooling window and over amax's dim.
+    x_grad, img_grad = (leaf.grad for leaf in leaves)
+    return out.detach(), [p.grad.clone() for p in model.parameters()] + [x_grad.sum(1), F.avg_pool2d(img_grad, 4)]
+
+
+def rules(gm) -> dict:
+    return {row["node"]: (row["dtype"], row["rule"]) for row in explain(gm).rows}
+
+
+def test_casts_move_to_the_small_side_with_the_same_outputs_and_gradients():
+    model, args = SliceExpandPool(), inputs()
+    painted = convert(model, "O1", example_inputs=args, dtype=LOW, cast_placement=False)
+    placed = convert(model, "O1", example_inputs=args, dtype=LOW)
+    decided = rules(placed)
+    moved = {name: rule for name, (_, rule) in decided.items() if rule.startswith("placement:")}
+    ops = {n.name: n.meta["amp"].get("op") for n in placed.graph.nodes}
+    assert sorted(ops[name] for name in moved) == ["amax", "expand", "getitem", "max_pool2d"], moved
+    for rule in moved.values():   # "placement: 131.1 KB cast -> 8.2 KB (...)": the figure shrinks
+        before, after = (float(v) * {"KB": 1e3, "MB": 1e6, "B": 1}[u]
+                         for v, u in re.findall(r"([\d.]+) (KB|MB|B)\b", rule)[:2])
+        assert after < before, rule
+    counts = placed.meta["amp"]["pass_counts"]["decide_precision"]
+    assert counts["bytes_cast_after"] < counts["bytes_cast_before"] and counts["nodes_moved"] == 4
+    assert runtime_cast_bytes(placed, args) < runtime_cast_bytes(painted, args) / 4   # measured, not predicted
+    out_painted, grads_painted = gradients(painted, model, args)
+    out_placed, grads_placed = gradients(placed, model, args)
+    torch.testing.assert_close(out_placed, out_painted, rtol=1e-2, atol=1e-2)
+    for mine, theirs in zip(grads_placed, grads_painted):
+        torch.testing.assert_close(mine, theirs, rtol=2e-2, atol=2e-2 * theirs.abs().max().item())
+
+
+def test_a_forced_node_is_never_moved():
+    model, args = SliceExpandPool(), inputs()
+    painted = convert(model, "O1", example_inputs=args, dtype=LOW, cast_placement=False)
+    pool = next(n.name for n in painted.graph.nodes if n.meta["amp"].get("op") == "max_pool2d")
+    forced = convert(model, "O1", example_inputs=args, dtype=LOW, force_low=(pool,))
+    dtype, rule = rules(forced)[pool]
+    assert dtype == "bfloat16" and not rule.startswith("placement:"), rule
+    assert rules(convert(model, "O1", example_inputs=args, dtype=LOW))[pool][1].startswith("placement:")
+
+
+def _view(**nodes):
+    import networkx as nx
+    view = nx.DiGraph()
+    for name, (op_class, precision) in nodes.items():
+        view.add_node(name, op_class=op_class, precision=precision, rule="painted", reason="", forced=None)
+    return view
+
+
+def test_a_clear_op_goes_low_only_when_its_input_is_low_anyway_or_its_readers_go_low():
+    # src -> expand (fp32) -> readers. From a low producer nothing new is rounded: the expand goes low and
+    # no byte is cast. From an fp32 producer with an fp32 reader, going low would round what it reads: stays.
+    cases = (("allow", "low", ["mm"], "low", (16 + 4096, 0)),
+             ("deny", "fp32", ["add", "mm"], "fp32", (4096, 4096)))
+    for producer_class, producer_precision, readers, expected, (before, after) in cases:
+        view = _view(src=(producer_class, producer_precision), expand=("clear", "fp32"), add=("infer", "fp32"),
+                     mm=("allow", "low"))
+        flow = ValueFlow(value_bytes={"src": 16, "expand": 4096, "add": 4096, "mm": 4096},
+                         readers={"src": ["expand"], "expand": readers, "add": [], "mm": []},
+                         movable={"src", "expand", "add", "mm"})
+        placement = CastPlacement(flow)
+        placement(view)
+        assert view.nodes["expand"]["precision"] == expected
+        assert (placement.counts["bytes_cast_before"], placement.counts["bytes_cast_after"]) == (before, after)
+        assert cast_bytes(flow, {n: a["precision"] for n, a in view.nodes(data=True)}) == after
+
+
+def test_without_fake_values_painting_stands():
+    model, args = SliceExpandPool(), inputs()
+    gm = convert(model, "O1", dtype=LOW)   # no example inputs: no sizes
+    assert not any(rule.startswith("placement:") for _, rule in rules(gm).values())
