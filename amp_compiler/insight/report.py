@@ -52,13 +52,8 @@ class PrecisionReport:
         lines.append(f"nodes: {self.counts()}")
         for warning in self.warnings:
             lines += wrapped("WARNING", [warning])
-        calibrated = s.get("pass_counts", {}).get("calibrate_ranges")
-        if calibrated:
-            kept = t.get("range_kept", [])
-            lines += wrapped(f"range calibration ({_plural(calibrated['samples'], 'sample')}): "
-                             f"{_plural(len(kept), 'node')} kept fp32",
-                             kept[:12] + ([f"... {len(kept) - 12} more"] if len(kept) > 12 else []) or ["none"])
-        lines += _island_lines(self.islands)
+        lines += calibration_lines(s.get("pass_counts", {}).get("calibrate_ranges"), t.get("range_kept", []))
+        lines += island_lines(self.islands)
         if s.get("leaf_modules"):
             lines += _leaf_lines(s["leaf_modules"])
         lines += [f"opaque: {where or '(whole model)'}: {why}" for where, why in s.get("opaque", {}).items()]
@@ -163,7 +158,15 @@ def _leaf_lines(leaves: list[str]) -> list[str]:
     return lines
 
 
-def _island_lines(islands: list[dict]) -> list[str]:
+def calibration_lines(calibrated: dict | None, kept: list[str]) -> list[str]:
+    """What range calibration kept fp32 (calibrated: the calibrate_ranges pass's counts; none: no line)."""
+    if not calibrated:
+        return []
+    return wrapped(f"range calibration ({plural(calibrated['samples'], 'sample')}): {plural(len(kept), 'node')} "
+                   "kept fp32", kept[:12] + ([f"... {len(kept) - 12} more"] if len(kept) > 12 else []) or ["none"])
+
+
+def island_lines(islands: list[dict]) -> list[str]:
     """One line per kind of island: those repeating in numbered blocks (layers.3.attention) share one."""
     if not islands:
         return ["fp32 islands: none"]
@@ -179,12 +182,12 @@ def _island_lines(islands: list[dict]) -> list[str]:
         seed_op = first["ops"][first["nodes"].index(first["seed"])]
         ops = ", ".join(first["ops"][:6]) + (", ..." if len(first["ops"]) > 6 else "")
         line = (f"  {where or '(top level)'}{f' (x{len(members)})' if len(members) > 1 else ''}: "
-                f"{_plural(len(first['nodes']), 'node')} ({ops}); {seed_op}: {first['rule']}")
+                f"{plural(len(first['nodes']), 'node')} ({ops}); {seed_op}: {first['rule']}")
         lines.append(line if len(line) <= WIDTH + 40 else line[:WIDTH + 37] + "...")
     return lines
 
 
-def _plural(count: int, noun: str) -> str:
+def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 

@@ -1,4 +1,5 @@
-"""PrecisionReport._repr_html_: the summary, then the rows as a table coloured by precision (notebooks)."""
+"""PrecisionReport._repr_html_ and OnnxConversionReport._repr_html_: the summary, then the rows as a table
+coloured by precision (notebooks)."""
 from __future__ import annotations
 
 from html import escape
@@ -8,12 +9,15 @@ PRECISION_COLOURS = {"low": "#cfe0fc", "fp32": "#fbd3c0", "cast": "#fff1b8", "un
 FOLD_ABOVE = 40      # rows; longer tables start folded
 
 
-def report_html(report) -> str:
+def report_html(report, rows: list[dict] | None = None) -> str:
+    """report: anything with summary_lines(); rows: dicts with module, node, op, dtype, rule and precision
+    ("low", "fp32", "cast", "untouched": the colour), report.rows by default."""
+    rows = report.rows if rows is None else rows
     summary = "\n".join(report.summary_lines())
-    rows = "\n".join(_row(r) for r in report.rows)
-    opened = "" if len(report.rows) > FOLD_ABOVE else " open"
+    opened = "" if len(rows) > FOLD_ABOVE else " open"
+    count, rows = len(rows), "\n".join(_row(r) for r in rows)
     return (f"<div class='amp-report'><pre style='white-space:pre-wrap'>{escape(summary)}</pre>"
-            f"<details{opened}><summary>{len(report.rows)} rows</summary>"
+            f"<details{opened}><summary>{count} rows</summary>"
             "<table><thead><tr><th>module</th><th>node</th><th>op</th><th>dtype</th><th>rule</th></tr></thead>"
             f"<tbody>\n{rows}\n</tbody></table></details></div>")
 

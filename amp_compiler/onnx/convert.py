@@ -21,6 +21,7 @@ from onnx_ir.passes.common import TopologicalSortPass
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.onnx.files import (check_writable, copy_onnx_file, has_external_tensors, has_float_tensors,
                                      load_onnx_model, save_onnx_model, weight_bytes)
+from amp_compiler.onnx.progress import PROGRESS_AFTER_SECONDS, ConversionProgress, announcing  # noqa: F401 (old home)
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts, decision_rows
 from amp_compiler.passes.onnx.calibrate_ranges import record_onnx_ranges
 from amp_compiler.passes.onnx.decide_precision import decide_onnx_precision
@@ -36,7 +37,6 @@ from amp_compiler.passes.onnx.store_moved_weights_low import store_moved_onnx_we
 from amp_compiler.passes.onnx.strip_float_casts import strip_onnx_float_casts
 from amp_compiler.passes.onnx.unique_names import unique_onnx_names
 
-PROGRESS_AFTER_SECONDS = 2.0   # a progress bar appears only for conversions that take longer than this
 IR_LOW_DTYPES = {torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
 
 
@@ -159,54 +159,8 @@ def run_onnx_pipeline(model: ir.Model, config: AmpConfig, *, op_block_list=(), n
     called as each pass starts."""
     if not config.level_spec.paints:
         return {}
-    pipeline = ONNX_PIPELINE if on_pass is None else _announcing(ONNX_PIPELINE, on_pass)
-    return pipeline.run(OnnxState(model, config, tuple(op_block_list), tuple(node_block_list), calibration_data))
-
-
-def _announcing(pipeline: Pipeline, on_pass) -> Pipeline:
-    """`pipeline` with on_pass(name) called as each pass starts (the same passes, names and conditions)."""
-    def announced(step: Pass):
-        def run(state):
-            on_pass(step.name)
-            return step.run(state)
-        return run
-    return Pipeline(pipeline.name, tuple(Pass(p.name, announced(p), p.when, p.when_says) for p in pipeline.passes),
-                    check=pipeline.check)
-
-
-class ConversionProgress:
-    """A progress bar on stderr for conversions that take a while: one step per pass and one for the save
-    (whose tensors tick by as they are written). enabled=None: shown only after PROGRESS_AFTER_SECONDS,
-    and only on a terminal (tqdm's own rules); False: never; True: always."""
-
-    def __init__(self, steps: int, *, enabled: bool | None = None):
-        self.steps, self.enabled, self.bar = steps, enabled, None
-        self.tensors = 0
-
-    def __enter__(self) -> "ConversionProgress":
-        if self.enabled is not False:
-            from tqdm.auto import tqdm
-            self.bar = tqdm(total=self.steps, desc="convert_onnx", unit="step", leave=False,
-                            delay=0 if self.enabled else PROGRESS_AFTER_SECONDS,
-                            disable=False if self.enabled else None)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-    def advance(self, name: str) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(name, refresh=False)
-            self.bar.update(1)
-
-    def saving(self) -> None:
-        self.advance("save")
-
-    def tensor_written(self, tensor, info) -> None:
-        self.tensors += 1
-        if self.bar is not None and self.tensors % 16 == 0:
-            self.bar.set_postfix_str(f"save: {self.tensors} tensors written")
+    state = OnnxState(model, config, tuple(op_block_list), tuple(node_block_list), calibration_data)
+    return announcing(ONNX_PIPELINE, on_pass).run(state)
 
 
 def conversion_warnings(counts: dict) -> list[str]:

@@ -39,6 +39,7 @@ from amp_compiler.frontend import share_module_tree, trace
 from amp_compiler.frontend.module_tree import unwrap_compiled
 from amp_compiler.onnx.convert import IR_LOW_DTYPES, check_onnx_model, conversion_warnings, sort_nodes
 from amp_compiler.onnx.files import save_onnx_model, weight_bytes
+from amp_compiler.onnx.progress import ConversionProgress, announcing
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts
 from amp_compiler.insight.report import explain
 from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
@@ -61,38 +62,53 @@ from amp_compiler.passes.node_facts import facts
 
 
 def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.float16, keep_io_types: bool = True,
-                dynamic_shapes=None, **overrides) -> OnnxConversionReport:
+                dynamic_shapes=None, progress: bool | None = None, **overrides) -> OnnxConversionReport:
     """Convert `model` at `level` and write it to `path` as ONNX (weights in `dtype` where ops run in it).
 
     `args` are example inputs (a tuple, or one tensor); `dynamic_shapes` follows torch.export. Keyword
     overrides are convert()'s (allow_ops, deny_ops, force_fp32, force_low, keep_batchnorm_fp32, ...).
     The export is an inference graph: dropout off, batch norm on running statistics (folded into the
     convolution before it where there is one; `model` itself is never changed).
+    progress: a progress bar on stderr (None: only for an export past PROGRESS_AFTER_SECONDS, on a terminal).
     """
     started = time.perf_counter()
     args = args if isinstance(args, tuple) else (args,)
     config = make_config(level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
-    model, prepared = inference_copy(model, args, dynamic_shapes, config)
-    gm = convert(model, level, example_inputs=args, dtype=dtype, keep_io_types=keep_io_types, **overrides)
-    kept, notes = _weights_beyond_fp16(gm) if config.low_dtype == torch.float16 else ((), [])
-    if kept:
-        force = (*_as_tuple(overrides.pop("force_fp32", ())), *kept)
-        gm = convert(model, level, example_inputs=args, dtype=dtype, keep_io_types=keep_io_types,
-                     force_fp32=force, **overrides)
-    gm.eval()
-    onnx_model = _export(gm, args, dynamic_shapes)
-    report = OnnxConversionReport(type(model).__name__, os.fspath(path), config.level, config.low_dtype_name,
-                                  config.keep_io_types, weight_bytes_before=fp32_weight_bytes(onnx_model),
-                                  warnings=notes)
-    counts = run_export_pipeline(onnx_model, config, gm)
-    save_onnx_model(onnx_model, path)
+    # steps: inference copy, convert, torch.onnx.export, each export pass, save
+    with ConversionProgress(3 + len(EXPORT_PIPELINE.passes) + 1, enabled=progress, desc="export_onnx") as steps:
+        steps.advance("inference copy")
+        model, prepared = inference_copy(model, args, dynamic_shapes, config)
+        steps.advance("convert")
+        gm = convert(model, level, example_inputs=args, dtype=dtype, keep_io_types=keep_io_types, **overrides)
+        kept, notes = _weights_beyond_fp16(gm) if config.low_dtype == torch.float16 else ((), [])
+        if kept:
+            force = (*_as_tuple(overrides.pop("force_fp32", ())), *kept)
+            gm = convert(model, level, example_inputs=args, dtype=dtype, keep_io_types=keep_io_types,
+                         force_fp32=force, **overrides)
+        gm.eval()
+        steps.advance("torch.onnx.export")
+        onnx_model = _export(gm, args, dynamic_shapes)
+        report = OnnxConversionReport(type(model).__name__, os.fspath(path), config.level, config.low_dtype_name,
+                                      config.keep_io_types, weight_bytes_before=fp32_weight_bytes(onnx_model),
+                                      warnings=notes)
+        counts = run_export_pipeline(onnx_model, config, gm, on_pass=steps.advance)
+        steps.saving()
+        save_onnx_model(onnx_model, path, callback=steps.tensor_written)
     report.pass_counts = {**prepared, **counts}
-    report.rows = [{"node": r["node"], "op_type": "(fx)", "op": r["op"], "precision": r["dtype"], "rule": r["rule"]}
-                   for r in explain(gm).rows]
+    report.rows = export_rows(gm)
     report.casts, report.weight_bytes_after = count_casts(onnx_model), weight_bytes(onnx_model)
     report.warnings += conversion_warnings(counts)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def export_rows(gm: fx.GraphModule) -> list[dict]:
+    """The report's rows: explain()'s, one per fx node of the exported graph, with its fp32 island."""
+    explained = explain(gm)
+    island_of = {node: i for i, island in enumerate(explained.islands) for node in island["nodes"]}
+    return [{"node": r["node"], "op_type": "(fx)", "op": r["op"], "precision": r["dtype"], "rule": r["rule"],
+             "module": r["module"], "class": r["class"], "island": island_of.get(r["node"], -1)}
+            for r in explained.rows]
 
 
 def inference_copy(model: nn.Module, args: tuple, dynamic_shapes, config: AmpConfig) -> tuple[nn.Module, dict]:
@@ -157,12 +173,13 @@ EXPORT_PIPELINE = Pipeline("export_onnx", (
 ), check=check_onnx_model)
 
 
-def run_export_pipeline(model: ir.Model, config: AmpConfig, gm: fx.GraphModule | None = None) -> dict:
+def run_export_pipeline(model: ir.Model, config: AmpConfig, gm: fx.GraphModule | None = None, *,
+                        on_pass=None) -> dict:
     """EXPORT_PIPELINE: the ONNX passes an exported graph needs; its precisions were decided by convert()
-    (`gm`, the converted graph that was exported)."""
+    (`gm`, the converted graph that was exported). on_pass(name) is called as each pass starts."""
     low_families = frozenset(facts(n).get("family") for n in gm.graph.nodes
                              if facts(n).get("precision") == "low") if gm is not None else frozenset()
-    return EXPORT_PIPELINE.run(ExportState(model, config, config.precision_rules(), low_families))
+    return announcing(EXPORT_PIPELINE, on_pass).run(ExportState(model, config, config.precision_rules(), low_families))
 
 
 def export_fp32_reference(model: nn.Module, args: tuple, path, dynamic_shapes=None) -> None:
