@@ -2,7 +2,9 @@
 painted (cast_placement=False), after placement, and torch.autocast's, O1 bf16.
 
 Bytes are measured at run time: every dtype-changing aten._to_copy, its fp32 side (bench_convert.CastCounter).
-"predicted" is the pass's own figure (bytes_cast_before -> after, activations and weights, before fold_casts).
+"cut" is the pass (a minimum cut), "greedy" the one-node-at-a-time search it is compared with; "predicted" is
+the pass's own figure (bytes_cast_before -> after: the values the graph shows, before fold_casts; an fx
+leaf module's weights are inside the call, not counted).
 Models: the zoo (models/, size full) and the real-model registry (tests/real_models.py).
 
     python benchmarks/bench_placement.py [--only tv_resnet18,mlp] [--zoo-only]
@@ -22,6 +24,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmark
 from bench_convert import CastCounter  # noqa: E402
 
 import amp_compiler  # noqa: E402
+from amp_compiler.passes.fx.place_casts import FxCastPlacement  # noqa: E402
 from models import ZOO_NAMES, build  # noqa: E402
 
 LOW = torch.bfloat16
@@ -48,13 +51,14 @@ def _models(names: list[str], zoo_only: bool):
 
 def row(model, inputs) -> dict:
     results = {}
-    for label, placement in (("painted", False), ("placed", True)):
+    for label, placement, method in (("painted", False, "cut"), ("greedy", True, "greedy"), ("placed", True, "cut")):
+        FxCastPlacement.method = method
         gm = amp_compiler.convert(model, "O1", dtype=LOW, example_inputs=inputs, cast_placement=placement)
         results[label] = _measure(lambda: gm(*inputs))
         if placement:
             counts = gm.meta["amp"].get("pass_counts", {}).get("decide_precision", {})   # {}: children converted
-            results["predicted"] = (counts.get("bytes_cast_before", 0), counts.get("bytes_cast_after", 0))
-            results["moved"] = counts.get("nodes_moved", 0)
+            results[f"{method}_predicted"] = (counts.get("bytes_cast_before", 0), counts.get("bytes_cast_after", 0))
+            results[f"{method}_moved"] = counts.get("nodes_moved", 0)
 
     def autocast():
         with torch.autocast("cpu", dtype=LOW):
@@ -75,21 +79,24 @@ def main() -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     names = [n for n in args.only.split(",") if n]
-    header = (f"{'model':<24}{'casts painted/placed/ac':>24}{'MB cast painted':>16}{'placed':>8}{'autocast':>9}"
-              f"{'predicted MB':>15}{'moved':>6}")
-    print(header)
-    totals = [0, 0, 0]
+    print(f"{'model':<24}{'casts painted/greedy/cut/ac':>28}{'MB cast painted':>16}{'greedy':>8}{'cut':>8}"
+          f"{'autocast':>9}{'predicted MB painted->greedy/cut':>34}{'moved greedy/cut':>18}")
+    totals = [0, 0, 0, 0]
     for name, model, inputs in _models(names, args.zoo_only):
         try:
             r = row(model, inputs)
         except Exception as error:  # noqa: BLE001 - one model's failure is a row, not the end of the table
             print(f"{name:<24}  FAILED: {type(error).__name__}: {str(error).splitlines()[0][:90]}", flush=True)
             continue
-        (pc, pb), (qc, qb), (ac, ab) = r["painted"], r["placed"], r["autocast"]
-        totals = [totals[0] + pb, totals[1] + qb, totals[2] + ab]
-        predicted = f"{_mb(r['predicted'][0])}->{_mb(r['predicted'][1])}"
-        print(f"{name:<24}{f'{pc}/{qc}/{ac}':>24}{_mb(pb):>16}{_mb(qb):>8}{_mb(ab):>9}{predicted:>15}{r['moved']:>6}", flush=True)
-    print(f"{'total MB':<24}{'':>24}{_mb(totals[0]):>16}{_mb(totals[1]):>8}{_mb(totals[2]):>9}")
+        measured = [r[label] for label in ("painted", "greedy", "placed", "autocast")]
+        totals = [total + nbytes for total, (_, nbytes) in zip(totals, measured)]
+        casts = "/".join(str(count) for count, _ in measured)
+        predicted = (f"{_mb(r['cut_predicted'][0])}->{_mb(r['greedy_predicted'][1])}/"
+                     f"{_mb(r['cut_predicted'][1])}")
+        moved = f"{r['greedy_moved']}/{r['cut_moved']}"
+        print(f"{name:<24}{casts:>28}" + "".join(f"{_mb(nbytes):>{w}}" for (_, nbytes), w in zip(measured, (16, 8, 8, 9)))
+              + f"{predicted:>34}{moved:>18}", flush=True)
+    print(f"{'total MB':<24}{'':>28}" + "".join(f"{_mb(t):>{w}}" for t, w in zip(totals, (16, 8, 8, 9))))
 
 
 if __name__ == "__main__":

@@ -135,3 +135,18 @@ def test_without_fake_values_painting_stands():
     model, args = SliceExpandPool(), inputs()
     gm = convert(model, "O1", dtype=LOW)   # no example inputs: no sizes
     assert not any(rule.startswith("placement:") for _, rule in rules(gm).values())
+
+
+def test_the_cut_moves_a_chain_that_one_flip_at_a_time_cannot():
+    # x (fp32 input) -> view (low) -> slice (low) -> mm (low): flipping the view alone, or the slice alone,
+    # casts as much as before; flipping both casts the slice's 256 bytes instead of x's 4096.
+    def placed(method):
+        view = _view(reshape=("clear", "low"), slice=("clear", "low"), mm=("allow", "low"))
+        flow = ValueFlow(value_bytes={"x": 4096, "reshape": 4096, "slice": 256, "mm": 256},
+                         readers={"x": ["reshape"], "reshape": ["slice"], "slice": ["mm"], "mm": []},
+                         fixed={"x": "fp32"}, movable={"reshape", "slice", "mm"})
+        placement = CastPlacement(flow, method)
+        placement(view)
+        return {n: view.nodes[n]["precision"] for n in ("reshape", "slice")}, placement.counts["bytes_cast_after"]
+    assert placed("greedy") == ({"reshape": "low", "slice": "low"}, 4096)
+    assert placed("cut") == ({"reshape": "fp32", "slice": "fp32"}, 256)

@@ -38,13 +38,15 @@ def fp32_bytes(node: fx.Node) -> int | None:
 class FxCastPlacement:
     """A `painted` hook: builds the graph's ValueFlow once painting has classified it, then places casts."""
 
+    method = "cut"   # or "greedy": the local search the benchmark compares the cut with
+
     def __init__(self, gm: fx.GraphModule, rules: PrecisionRules, keep_io_types: bool):
         self.gm, self.rules, self.keep_io_types, self.counts = gm, rules, keep_io_types, {}
 
     def __call__(self, view) -> None:
         if not any("val" in node.meta for node in self.gm.graph.nodes):
             return   # no fake values, no sizes: painting stands
-        placement = CastPlacement(self.value_flow(view))
+        placement = CastPlacement(self.value_flow(view), self.method)
         placement(view)
         self.counts = placement.counts
 

@@ -50,8 +50,8 @@ def cast_bytes(flow: ValueFlow, precision: dict[str, str]) -> int:
 class CastPlacement:
     """The painted hook; `counts` holds bytes_cast_before / bytes_cast_after / nodes_moved once it ran."""
 
-    def __init__(self, flow: ValueFlow):
-        self.flow, self.counts = flow, {}
+    def __init__(self, flow: ValueFlow, method: str = "cut"):
+        self.flow, self.counts, self.method = flow, {}, method
         self.inputs: dict[str, list[str]] = {}   # reader -> the producers it reads
         for producer, readers in flow.readers.items():
             for reader in readers:
@@ -69,8 +69,9 @@ class CastPlacement:
             return painted[producer] == LOW and fixed
 
         free = {n: _freedom(view.nodes[n], self.inputs.get(n, []), stays_low, flow) for n in view if n in flow.movable}
-        free = {n: way for n, way in free.items() if way is not None}
-        placed = _min_cut(flow, painted, free) if free else painted
+        free = _around_casts({n: way for n, way in free.items() if way is not None}, flow, painted)
+        search = _min_cut if self.method == "cut" else self._greedy
+        placed = search(flow, painted, free) if free else painted
         after = cast_bytes(flow, placed)
         moved = [n for n in free if placed[n] != painted[n]]
         if after >= before:   # a cut never loses, but a ValueFlow that disagrees with the view may: keep painting
@@ -82,6 +83,29 @@ class CastPlacement:
             attrs["precision"] = placed[name]
             attrs["rule"] = f"placement: {_size(local_before)} cast -> {_size(local_after)} ({attrs['rule']})"
         self.counts = {"bytes_cast_before": before, "bytes_cast_after": after, "nodes_moved": len(moved)}
+
+    def _greedy(self, flow: ValueFlow, painted: dict, free: dict) -> dict:
+        """The local alternative the cut is compared with (benchmarks/bench_placement.py): flip one node at a
+        time while that lowers the bytes of the values it reads and writes. A chain (view -> slice) whose
+        first flip alone gains nothing stays as painted."""
+        placed, improved = dict(painted), True
+        while improved:
+            improved = False
+            for name, way in free.items():
+                flipped = FP32 if placed[name] == LOW else LOW
+                if flipped == LOW and way == "low_if_readers_low" and any(
+                        placed.get(r, flow.fixed.get(r)) == FP32 for r in flow.readers.get(name, [])):
+                    continue
+                if flipped == FP32 and any(free.get(p) == "low_if_readers_low" and placed[p] == LOW
+                                           for p in self.inputs.get(name, [])):
+                    continue   # a clear op made low on the promise that its readers stay low
+                before = self._local_bytes(name, placed)
+                placed[name] = flipped
+                if self._local_bytes(name, placed) < before:
+                    improved = True
+                else:
+                    placed[name] = LOW if flipped == FP32 else FP32
+        return placed
 
     def _local_bytes(self, name: str, precision: dict) -> int:
         """Bytes cast on the values a node reads and writes."""
@@ -101,6 +125,29 @@ def _freedom(attrs: dict, producers: list[str], stays_low, flow: ValueFlow) -> s
     if producers and all(stays_low(p) for p in producers):
         return "any"   # its inputs are low whatever happens: moving it rounds nothing
     return "low_if_readers_low"
+
+
+def _around_casts(free: dict, flow: ValueFlow, painted: dict) -> dict:
+    """The free nodes of groups (free nodes sharing a value) that touch a value cast today: moving a group
+    that touches none cannot lower the bytes, and the cut stays small (a deep MLP's ReLUs stay out)."""
+    group = {n: n for n in free}
+
+    def root(n):
+        while group[n] != n:
+            group[n] = group[group[n]]
+            n = group[n]
+        return n
+
+    cast_values = []
+    for producer, readers in flow.readers.items():
+        members = [m for m in (producer, *readers) if m in free]
+        for other in members[1:]:
+            group[root(other)] = root(members[0])
+        have = painted.get(producer, flow.fixed.get(producer))
+        if members and any(painted.get(r, flow.fixed.get(r)) not in (None, have) for r in readers):
+            cast_values.append(members[0])
+    worth = {root(m) for m in cast_values}
+    return {n: way for n, way in free.items() if root(n) in worth}
 
 
 def _min_cut(flow: ValueFlow, painted: dict, free: dict) -> dict:
