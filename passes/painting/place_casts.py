@@ -130,24 +130,17 @@ def _freedom(attrs: dict, producers: list[str], stays_low, flow: ValueFlow) -> s
 def _around_casts(free: dict, flow: ValueFlow, painted: dict) -> dict:
     """The free nodes of groups (free nodes sharing a value) that touch a value cast today: moving a group
     that touches none cannot lower the bytes, and the cut stays small (a deep MLP's ReLUs stay out)."""
-    group = {n: n for n in free}
-
-    def root(n):
-        while group[n] != n:
-            group[n] = group[group[n]]
-            n = group[n]
-        return n
-
-    cast_values = []
+    sharing = nx.Graph()
+    sharing.add_nodes_from(free)
+    touching_casts = set()
     for producer, readers in flow.readers.items():
         members = [m for m in (producer, *readers) if m in free]
-        for other in members[1:]:
-            group[root(other)] = root(members[0])
+        sharing.add_edges_from(zip(members, members[1:]))
         have = painted.get(producer, flow.fixed.get(producer))
         if members and any(painted.get(r, flow.fixed.get(r)) not in (None, have) for r in readers):
-            cast_values.append(members[0])
-    worth = {root(m) for m in cast_values}
-    return {n: way for n, way in free.items() if root(n) in worth}
+            touching_casts.add(members[0])
+    worth = set().union(*(group for group in nx.connected_components(sharing) if group & touching_casts))
+    return {n: way for n, way in free.items() if n in worth}
 
 
 def _min_cut(flow: ValueFlow, painted: dict, free: dict) -> dict:
