@@ -82,10 +82,12 @@ class FxCastPlacement:
                     readers.append(user.name)
                 elif user.op == "output" and self.keep_io_types and facts(producer).get("dtype") == torch.float32:
                     readers.append(OUTPUT)
+        pinned = _written_through_views(written.values())
         for node in self.gm.graph.nodes:
             inputs = [written.get(a, a) for a in node.all_input_nodes]
-            if node.name in view and node.name in flow.value_bytes and not _names_a_dtype(node) and all(
-                    a.name in flow.value_bytes or facts(a).get("dtype") not in sides for a in inputs):
+            sized = all(a.name in flow.value_bytes or facts(a).get("dtype") not in sides for a in inputs)
+            if node.name in view and node.name in flow.value_bytes and sized and node not in pinned \
+                    and not _names_a_dtype(node):
                 flow.movable.add(node.name)
         return flow
 
@@ -98,3 +100,18 @@ def _names_a_dtype(node: fx.Node) -> bool:
     leaves: list = []
     fx.node.map_aggregate((node.args, node.kwargs), leaves.append)
     return any(isinstance(value, torch.dtype) for value in leaves)
+
+
+def _written_through_views(targets) -> set[fx.Node]:
+    """x[:, 0].add_(1) writes x through a view: the view and what it views must keep one precision (a cast
+    between them would take the write on a copy), so none of them moves."""
+    pinned: set[fx.Node] = set()
+    for node in targets:
+        while facts(node).get("family") == "shape" and node not in pinned:
+            pinned.add(node)
+            base = node.args[0] if node.args else None
+            if not isinstance(base, fx.Node):
+                break
+            pinned.add(base)
+            node = base
+    return pinned
