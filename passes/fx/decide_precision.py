@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from amp_compiler.passes.fx.insert_casts import written_views
 from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.painting.decide import decide
+from amp_compiler.passes.painting.paint_precision import PAINTABLE
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.node_facts import facts
@@ -81,7 +83,15 @@ class FxNodes:
         return None
 
     def classified(self) -> None:
-        pass
+        # A view an in-place op writes through (v = h[:, :4]; v.mul_(2)) must read its base as it is: a cast
+        # between them would put the write on a copy and h would never see it. So the views on the way from
+        # the write to its base are set aside, like the write itself.
+        for node in self.gm.graph.nodes:
+            for view in written_views(node):
+                amp = facts(view)
+                if amp.get("family") == "shape" and amp.get("class") in PAINTABLE:   # the views, not the base
+                    amp["class"], amp["reason"] = "ignore", \
+                        f"a view written in place by {node.name}: reads its base uncast, so the write reaches it"
 
     def forced(self, node: fx.Node, rules: PrecisionRules) -> tuple[str, str] | None:
         amp = facts(node)

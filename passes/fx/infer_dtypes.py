@@ -80,7 +80,7 @@ def _call_dtype(gm: fx.GraphModule, node: fx.Node, dtypes: dict, low: torch.dtyp
             return explicit if explicit is not None else _promote(inputs)
         if family == "factory":
             return _explicit_dtype(node, dtypes) or torch.get_default_dtype()
-        if family == "inplace":
+        if family in ("inplace", "shape"):   # an in-place op, or a view it writes through: its operand's dtype
             return dtypes.get(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
         if family == "embedding":  # the table's dtype (aten.embedding(weight, indices) or F.embedding)
             return _module_param_dtype(gm, node) or _promote(inputs)

@@ -25,6 +25,19 @@ def written_value(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def written_views(node: fx.Node) -> list[fx.Node]:
+    """What an in-place op writes through: its first argument and, while that is a view-like op (the
+    policy's "shape" family: getitem, view, transpose...), the values below it, the base last. Conservative:
+    a reshape that copies is treated as a view."""
+    chain, value = [], written_value(node)
+    while isinstance(value, fx.Node) and value not in chain:
+        chain.append(value)
+        if facts(value).get("family") != "shape" or not value.args or not isinstance(value.args[0], fx.Node):
+            break
+        value = value.args[0]
+    return chain
+
+
 def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, why: str) -> fx.Node:
     cast = graph.call_function(amp_cast, (value, dtype))
     cast.meta["amp_role"] = "cast"
@@ -56,8 +69,8 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
     for node in list(graph.nodes):
         amp = facts(node)
         target = written_value(node)
-        if target is not None:
-            writes[target] = writes.get(target, 0) + 1
+        for written in written_views(node):   # a write through a view also changes its base
+            writes[written] = writes.get(written, 0) + 1
         if amp.get("family") == "inplace":  # operands follow the written tensor, which is never cast
             want = facts(target).get("dtype") if target is not None else None
             operands = [v for v in node.all_input_nodes if v is not target]
