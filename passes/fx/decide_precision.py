@@ -15,6 +15,7 @@ from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.painting.decide import decide
 from amp_compiler.passes.painting.paint_precision import PAINTABLE
 from amp_compiler.passes.runner import PassResult
+from amp_compiler.passes.policy.op_policy import POLICY
 from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.node_facts import facts
 
@@ -105,12 +106,34 @@ class FxNodes:
         for node in self.gm.graph.nodes:
             for user in node.users:
                 yield node.name, user.name
+            # An in-place op is set aside, but the value it writes flows on: its readers are joined to the
+            # written tensor's producer (bn -> relu_ -> conv paints as bn -> conv, as if the op were out of place).
+            # Only unary writes (relu_, silu_, dropout): one with a second float operand (add_, baddbmm_) keeps
+            # the cut, its operands follow the written tensor's dtype.
+            written = node
+            while _unary_write(written):
+                written = written.args[0]
+            if written is not node:
+                for user in node.users:
+                    yield written.name, user.name
 
     def record(self, node: fx.Node, amp: dict, painted: dict | None, rules: PrecisionRules) -> None:
         if painted is not None:
             amp["fp32_weights"] = amp["precision"] == "low" and rules.keeps_fp32_weights(amp["op"])
             if amp["fp32_weights"] and amp["reason"] not in amp["rule"]:   # painted by a neighbour: say why
                 amp["rule"] = f"{amp['rule']}; mixed kernel: fp32 weights and statistics"
+
+
+def _unary_write(node: fx.Node) -> bool:
+    """An in-place activation (relu_, silu_, dropout_...) whose only float operand is the tensor it writes.
+    Not masked_fill_ and the like: they write into tensors made with an explicit dtype (zeros_like(m,
+    dtype=q.dtype)), which painting cannot change."""
+    op = facts(node).get("op")
+    rule = POLICY.get(op)
+    activation = op in ("relu", "relu6", "dropout", "hardtanh") or (rule is not None and rule.family == "activation")
+    if not (activation and facts(node).get("inplace") and node.args and isinstance(node.args[0], fx.Node)):
+        return False
+    return not any(is_float(facts(a).get("dtype")) for a in node.all_input_nodes if a is not node.args[0])
 
 
 def decide_fx_precision(gm: fx.GraphModule, rules: PrecisionRules, painted=()) -> PassResult:
