@@ -118,3 +118,13 @@ def same_model(path_a: str, path_b: str) -> bool:
 
 def _to(cast: onnx.NodeProto) -> int:
     return next(a.i for a in cast.attribute if a.name == "to")
+
+
+def onnx_inputs(inputs: tuple) -> tuple:
+    """Positional inputs up to the first None (an ONNX graph has no optional-input slots)."""
+    kept = []
+    for value in inputs:
+        if value is None:
+            break
+        kept.append(value)
+    return tuple(kept)

@@ -20,7 +20,7 @@ from amp_compiler.onnx.export import export_fp32_reference, inference_copy
 from amp_compiler.passes.fx.canonicalize import canonicalize
 from amp_compiler.passes.fx.fold_batch_norms import find_foldable_batch_norms, fold_batch_norms
 from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations
-from onnx_testing import F16, F32, all_nodes, assert_valid, nodes_of, run, value_types
+from onnx_testing import F16, F32, all_nodes, assert_valid, nodes_of, onnx_inputs, run, value_types
 from real_models import REAL_MODELS
 
 CNNS = ("tv_resnet18", "tv_mobilenet_v3")
@@ -29,15 +29,6 @@ SOFTMAX_AND_REDUCTIONS = ("Softmax", "LogSoftmax", "ReduceMean", "ReduceSum", "R
 NORMS = ("LayerNormalization", "BatchNormalization", "GroupNormalization", "InstanceNormalization")
 FP16_TOLERANCE = 1e-2     # of the output's scale
 
-
-def onnx_inputs(inputs: tuple) -> tuple:
-    """Positional inputs up to the first None (an ONNX graph has no optional-input slots)."""
-    kept = []
-    for value in inputs:
-        if value is None:
-            break
-        kept.append(value)
-    return tuple(kept)
 
 
 @pytest.fixture(scope="module", params=CNNS + TRANSFORMERS)

@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 import amp_compiler
 from amp_compiler import build_train_network, convert, explain
 from amp_testing import RELATIVE_TOLERANCE, AtenDtypeRecorder
+from onnx_testing import onnx_inputs
 from real_models import ONNX_NAMES, REAL_MODEL_NAMES, REAL_MODELS, TRAIN_NAMES
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
@@ -287,21 +288,12 @@ def test_train_o2(name, dtype):
     assert changed, "the optimizer steps did not change any parameter of the model"
 
 
-def _onnx_inputs(inputs: tuple) -> tuple:
-    """Positional inputs up to the first None (an ONNX graph has no optional-input slots)."""
-    kept = []
-    for value in inputs:
-        if value is None:
-            break
-        kept.append(value)
-    return tuple(kept)
-
 
 @pytest.mark.parametrize("name", ONNX_NAMES)
 def test_export_onnx_o1(name, tmp_path):
     spec = REAL_MODELS[name]
     model = spec.build()
-    inputs = _onnx_inputs(spec.inputs())
+    inputs = onnx_inputs(spec.inputs())
     path = str(tmp_path / f"{name}.onnx")
     amp_compiler.export_onnx(model, inputs, path, level="O1")
     onnx.checker.check_model(path, full_check=True)

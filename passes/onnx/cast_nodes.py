@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from amp_compiler.passes.onnx.spec import DTYPE_NAMES, input_role, is_float_value
+from amp_compiler.passes.onnx.spec import DTYPE_NAMES, FLOAT_TYPES, input_role, is_float_value
 
 
 def is_cast(node: ir.Node) -> bool:
@@ -139,3 +139,13 @@ def run_fp32_between_casts(node: ir.Node, low: ir.DataType, names: UniqueNames) 
         for index, value in enumerate(list(graph.outputs)):
             if value is output:
                 cast_graph_output(graph, index, low, names)
+
+
+def low_data_dtype(node: ir.Node, *, only_low: bool) -> ir.DataType | None:
+    """The one low float dtype among `node`'s data inputs, else None; with `only_low`, also None when an
+    fp32 data input sits beside it."""
+    dtypes = {v.dtype for i, v in enumerate(node.inputs) if is_float_value(v) and input_role(node, i) == "data"}
+    low = dtypes & {t for t in FLOAT_TYPES if t != ir.DataType.FLOAT}
+    if len(low) != 1 or (only_low and len(dtypes) != 1):
+        return None
+    return next(iter(low))

@@ -20,8 +20,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from amp_compiler.passes.onnx.canonicalize import all_nodes, canonical_onnx_op, module_path
-from amp_compiler.passes.onnx.cast_nodes import UniqueNames, run_fp32_between_casts
-from amp_compiler.passes.onnx.spec import FLOAT_TYPES, input_role, is_float_value
+from amp_compiler.passes.onnx.cast_nodes import UniqueNames, low_data_dtype, run_fp32_between_casts
 from amp_compiler.passes.onnx.torch_origin import origin_node_name
 from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.runner import PassResult
@@ -31,7 +30,7 @@ def widen_denied_onnx_ops(model: ir.Model, rules: PrecisionRules, low_families=f
     names = UniqueNames(model)
     widened = 0
     for node in list(all_nodes(model.graph)):
-        low = _low_dtype_of(node)
+        low = low_data_dtype(node, only_low=True)
         if low is None or node.domain not in ("", "ai.onnx"):
             continue
         op_class, family, _ = rules.classify(canonical_onnx_op(node))
@@ -43,9 +42,3 @@ def widen_denied_onnx_ops(model: ir.Model, rules: PrecisionRules, low_families=f
         run_fp32_between_casts(node, low, names)
         widened += 1
     return PassResult(modified=widened > 0, counts={"denied_nodes_widened": widened})
-
-
-def _low_dtype_of(node: ir.Node):
-    dtypes = {v.dtype for i, v in enumerate(node.inputs) if is_float_value(v) and input_role(node, i) == "data"}
-    low = dtypes & {t for t in FLOAT_TYPES if t != ir.DataType.FLOAT}
-    return next(iter(low)) if len(dtypes) == 1 and low else None

@@ -14,8 +14,8 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from amp_compiler.passes.onnx.canonicalize import all_nodes
-from amp_compiler.passes.onnx.cast_nodes import UniqueNames, run_fp32_between_casts
-from amp_compiler.passes.onnx.spec import FLOAT_TYPES, input_role, is_float_value, low_precision_blocker
+from amp_compiler.passes.onnx.cast_nodes import UniqueNames, low_data_dtype, run_fp32_between_casts
+from amp_compiler.passes.onnx.spec import low_precision_blocker
 from amp_compiler.passes.runner import PassResult
 
 
@@ -24,15 +24,9 @@ def widen_refused_onnx_nodes(model: ir.Model) -> PassResult:
     opset = model.opset_imports.get("", 1)
     widened = 0
     for node in list(all_nodes(model.graph)):
-        low = _low_dtype_of(node)
+        low = low_data_dtype(node, only_low=False)
         if low is None or low_precision_blocker(node, low, opset) is None:
             continue
         run_fp32_between_casts(node, low, names)
         widened += 1
     return PassResult(modified=widened > 0, counts={"refused_nodes_widened": widened})
-
-
-def _low_dtype_of(node: ir.Node):
-    dtypes = {v.dtype for i, v in enumerate(node.inputs) if is_float_value(v) and input_role(node, i) == "data"}
-    low = dtypes & {t for t in FLOAT_TYPES if t != ir.DataType.FLOAT}
-    return next(iter(low)) if len(low) == 1 else None
