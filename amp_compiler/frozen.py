@@ -10,7 +10,9 @@ A copy is used only while it is still the weight's: same tensor object (load_sta
 new Parameter replace it), same version counter (optimizer steps, load_state_dict, in-place ops under
 no_grad), same storage and shape (`param.data = t`), and the same values at a sample of positions
 (`param.data.mul_(...)` writes through `.data`, which PyTorch gives a version counter of its own, so only the
-values can tell). Otherwise it is made again. In training mode, when autograd needs the weight's gradient
+values can tell). Otherwise it is made again. The values of all weights are compared in one operation at the
+start of each call (one device sync per call: on an H200 a comparison per weight made a frozen BERT-base
+call 1.9x autocast's time). In training mode, when autograd needs the weight's gradient
 (grad enabled and requires_grad), and inside torch.compile, the weight is cast on every call as before
 (a compiled frozen graph checking its copies ran 1.26-1.30x slower than the compiled unfrozen one).
 """
@@ -48,8 +50,12 @@ class _Copy:
                          sampled.clone(), low)
 
     def still_of(self, weight: torch.Tensor) -> bool:
+        """Cheap checks, no device work; the sampled values are compared for all copies at once (check)."""
         return (self.source() is weight and self.version == weight._version
-                and self.storage == (weight.data_ptr(), weight.shape) and torch.equal(self.sampled, self.sample))
+                and self.storage == (weight.data_ptr(), weight.shape))
+
+    def values_unchanged(self) -> bool:
+        return torch.equal(self.sampled, self.sample)
 
 
 def _sampled_view(weight: torch.Tensor) -> torch.Tensor:
@@ -68,7 +74,24 @@ class FrozenWeights(nn.Module):
     def __init__(self):
         super().__init__()
         self._copies: dict[tuple[int, torch.dtype], _Copy] = {}
+        self._samples: dict[torch.device, tuple[list[_Copy], torch.Tensor]] | None = None   # per device, joined
         self.copies_made = 0
+
+    def check(self) -> None:
+        """Drop every copy whose weight's sampled values changed: one comparison per device for all weights."""
+        if self.training or torch.compiler.is_compiling() or not self._copies:
+            return
+        if self._samples is None:
+            groups: dict[torch.device, list[_Copy]] = {}
+            for copy in self._copies.values():
+                groups.setdefault(copy.sample.device, []).append(copy)
+            self._samples = {device: (copies, torch.cat([c.sample for c in copies]))
+                             for device, copies in groups.items()}
+        for copies, joined in self._samples.values():
+            if not torch.equal(torch.cat([c.sampled for c in copies]), joined):   # rare: find which changed
+                self._copies = {key: c for key, c in self._copies.items() if c.values_unchanged()}
+                self._samples = None
+                return
 
     def read(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.training or (torch.is_grad_enabled() and weight.requires_grad) or torch.compiler.is_compiling():
@@ -79,6 +102,7 @@ class FrozenWeights(nn.Module):
             # copies of weights that are gone (a replaced Parameter) go too
             self._copies = {k: c for k, c in self._copies.items() if c.source() is not None}
             copy = self._copies[key] = _Copy.of(weight, dtype)
+            self._samples = None
             self.copies_made += 1
         return copy.low
 
@@ -87,10 +111,11 @@ class FrozenWeights(nn.Module):
 
     def clear(self) -> None:
         self._copies.clear()
+        self._samples = None
 
     def __getstate__(self):
         state = super().__getstate__().copy()
-        state["_copies"] = {}
+        state["_copies"], state["_samples"] = {}, None
         return state
 
     def __deepcopy__(self, memo):

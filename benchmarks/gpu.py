@@ -1,19 +1,22 @@
 """One command for a CUDA machine: amp-compiler against torch.autocast, printed as one table.
 
-    python benchmarks/gpu.py                 # CUDA: full zoo + ResNet-18 / BERT-base / GPT-2 configs, <= 8 minutes
+    python benchmarks/gpu.py                 # CUDA: zoo + ResNet-18 / BERT-base / GPT-2 / ViT-B/16, <= 8 minutes
     python benchmarks/gpu.py --dry-run       # CPU, tiny sizes, seconds: keeps this script from rotting
 
 Sections (one row each, alternated runs, medians; "ratio" = ours / the baseline named in the row):
   train   fp16 and bf16 train step (forward, backward, SGD): ours O1 (+ amp_compiler.GradScaler for fp16)
-          against torch.autocast (+ torch.amp.GradScaler for fp16)
-  infer   latency per call, the dtype of --infer-dtype: fp32 eager, autocast, ours, ours frozen, and
-          torch.compile (inductor; "eager" backend with --dry-run) of autocast and ours
+          against torch.autocast (+ torch.amp.GradScaler for fp16), and the floor of any cast placement: the
+          whole model in fp16/bf16 with no cast at all (not a recipe: norms and softmax rounded)
+  infer   latency per call, the dtype of --infer-dtype: fp32 eager, autocast, ours, ours frozen
   onnx    ONNX Runtime latency (CUDA provider when usable): fp32 export, export_onnx fp16, convert_onnx fp16
-A global time budget (--budget-s, default 450 s) skips what is left, saying so, so the run ends in time.
+  compile torch.compile (inductor; "eager" backend with --dry-run) of autocast and of ours, inference
+Sections run in that order. A global time budget (--budget-s, default 450 s) skips what is left, saying so,
+so the run ends in time; the compiles, slowest to set up, go last.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import statistics
@@ -82,6 +85,11 @@ def real_cases(dry_run: bool) -> list[Case]:
         vocab_size=1000, n_embd=width, n_layer=layers, n_head=heads, n_positions=max(seq, 16), bos_token_id=0,
         eos_token_id=0, use_cache=False))
     cases.append(Case("hf_gpt2", gpt2, (tokens,), tokens, _logits_loss))
+    from torchvision.models import VisionTransformer, vit_b_16   # inference only: a cast once placed before a
+    vit = (VisionTransformer(32, 16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32)   # transpose cost 41x
+           if dry_run else vit_b_16())
+    images = torch.randn(batch // 2 or 1, 3, 32 if dry_run else 224, 32 if dry_run else 224)
+    cases.append(Case("vit_b_16", vit, (images,), torch.randint(0, 1000, (images.shape[0],)), _logits_loss))
     return cases
 
 
@@ -143,16 +151,29 @@ def train_rows(case: Case, dtype: torch.dtype, settings: Settings) -> list[list]
         their_scaler.step(optimizer)
         their_scaler.update()
 
-    ms = alternate({"ours": ours, "autocast": autocast}, settings)
+    # The floor of any cast placement: the whole model in `dtype`, no cast anywhere (not a recipe: no fp32
+    # master weights, norms and softmax rounded); a copy, so the other two keep their fp32 weights.
+    low_model = copy.deepcopy(model).to(dtype)
+    low_optimizer = torch.optim.SGD(low_model.parameters(), lr=1e-4)
+    low_inputs = tuple(v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for v in case.inputs)
+
+    def no_cast():
+        low_optimizer.zero_grad(set_to_none=True)
+        case.loss_fn(low_model(*low_inputs), case.target).backward()
+        low_optimizer.step()
+
+    ms = alternate({"ours": ours, "autocast": autocast, "no cast": no_cast}, settings)
     label = f"train {str(dtype).removeprefix('torch.')}"
     return [[label, case.name, "ours O1", f"{ms['ours']:.3f}", f"{ms['ours'] / ms['autocast']:.2f} of autocast"],
-            [label, case.name, "autocast+GradScaler" if fp16 else "autocast", f"{ms['autocast']:.3f}", ""]]
+            [label, case.name, "autocast+GradScaler" if fp16 else "autocast", f"{ms['autocast']:.3f}", ""],
+            [label, case.name, "all low, no cast (floor)", f"{ms['no cast']:.3f}",
+             f"{ms['no cast'] / ms['autocast']:.2f} of autocast"]]
 
 
-def infer_rows(case: Case, dtype: torch.dtype, settings: Settings) -> list[list]:
+def infer_rows(case: Case, dtype: torch.dtype, settings: Settings, compiled: bool = False) -> list[list]:
+    """Latency per call: eager (fp32, autocast, ours, ours frozen) or, with `compiled`, torch.compile of both."""
     device, model = settings.device, case.model.eval()
     gm = amp_compiler.convert(model, "O1", dtype=dtype, example_inputs=case.inputs).eval()
-    frozen = amp_compiler.convert(model, "O1", dtype=dtype, example_inputs=case.inputs, freeze=True).eval()
 
     def autocast_of(run):
         def call(*args):
@@ -160,13 +181,16 @@ def infer_rows(case: Case, dtype: torch.dtype, settings: Settings) -> list[list]
                 return run(*args)
         return call
 
-    torch._dynamo.reset()
-    calls = {"fp32 eager": model, "autocast": autocast_of(model), "ours": gm, "ours frozen": frozen,
-             "autocast+compile": autocast_of(torch.compile(model, backend=settings.compile_backend)),
-             "ours+compile": torch.compile(gm, backend=settings.compile_backend)}
+    if compiled:
+        torch._dynamo.reset()
+        calls = {"autocast+compile": autocast_of(torch.compile(model, backend=settings.compile_backend)),
+                 "ours+compile": torch.compile(gm, backend=settings.compile_backend)}
+    else:
+        frozen = amp_compiler.convert(model, "O1", dtype=dtype, example_inputs=case.inputs, freeze=True).eval()
+        calls = {"fp32 eager": model, "autocast": autocast_of(model), "ours": gm, "ours frozen": frozen}
     with torch.inference_mode():
         ms = alternate({name: (lambda run=run: run(*case.inputs)) for name, run in calls.items()}, settings)
-    label = f"infer {str(dtype).removeprefix('torch.')}"
+    label = f"{'compile' if compiled else 'infer'} {str(dtype).removeprefix('torch.')}"
     baseline = {"ours": "autocast", "ours frozen": "autocast", "ours+compile": "autocast+compile"}
     return [[label, case.name, name, f"{ms[name]:.3f}",
              f"{ms[name] / ms[baseline[name]]:.2f} of {baseline[name]}" if name in baseline else ""]
@@ -193,6 +217,14 @@ def onnx_rows(case: Case, settings: Settings) -> list[list]:
              f"{ms[name] / ms['fp32']:.2f} of fp32" if name != "fp32" else ""] for name in runs]
 
 
+def environment() -> str:
+    """One line naming what the figures were measured with."""
+    import onnxruntime
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}), {gpu}; onnxruntime {onnxruntime.__version__} "
+            f"providers {onnxruntime.get_available_providers()}; {os.cpu_count()} CPU cores")
+
+
 def print_table(rows: list[list], settings: Settings) -> None:
     from bench_convert import table
     where = torch.cuda.get_device_name() if settings.device == "cuda" else "CPU"
@@ -207,7 +239,7 @@ def main(argv=None) -> list[list]:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=450.0)
     parser.add_argument("--infer-dtype", default="float16", choices=("float16", "bfloat16"))
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: train,infer,onnx")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: train,infer,onnx,compile")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     if not args.dry_run and not torch.cuda.is_available():
@@ -220,18 +252,22 @@ def main(argv=None) -> list[list]:
     zoo = zoo_cases(args.dry_run)
     real = real_cases(args.dry_run)
     if args.dry_run:   # one model per front end and kind: every code path runs, in seconds
-        real = [c for c in real if c.name in ("resnet18", "hf_gpt2")]
+        real = [c for c in real if c.name in ("resnet18", "hf_gpt2", "vit_b_16")]
+    print(environment(), file=sys.stderr, flush=True)
     skip = set(args.skip.split(","))
-    jobs = []
-    for case in [*zoo, *real]:
-        if "train" not in skip:   # dry run: CPU fp16 convolutions take seconds, so ResNet-18 trains in bf16 only
-            jobs += [("train", case, dtype) for dtype in (torch.float16, torch.bfloat16)
-                     if not (args.dry_run and dtype == torch.float16 and case.name == "resnet18")]
-        if "infer" not in skip:
-            jobs.append(("infer", case, infer_dtype))
+    cases = [*zoo, *real]
+    jobs = []   # cheapest and most wanted first: the time budget cuts from the end (compiles)
+    if "train" not in skip:   # dry run: CPU fp16 convolutions take seconds, so ResNet-18 trains in bf16 only
+        jobs += [("train", case, dtype) for case in cases for dtype in (torch.float16, torch.bfloat16)
+                 if case.name != "vit_b_16" and not (args.dry_run and dtype == torch.float16
+                                                     and case.name == "resnet18")]
+    if "infer" not in skip:
+        jobs += [("infer", case, infer_dtype) for case in cases]
     if "onnx" not in skip:
         jobs += [("onnx", case, torch.float16) for case in zoo if case.name in ("mlp", "resnet", "bert")]
         jobs += [("onnx", case, torch.float16) for case in real if case.name == "resnet18" and not args.dry_run]
+    if "compile" not in skip:
+        jobs += [("compile", case, infer_dtype) for case in cases if case.name != "vit_b_16"]
     rows: list[list] = []
     for section, case, dtype in jobs:
         if settings.out_of_time():
@@ -242,7 +278,10 @@ def main(argv=None) -> list[list]:
                 rows += onnx_rows(case, settings)
             else:
                 moved = to_device(case, settings.device)
-                rows += (train_rows if section == "train" else infer_rows)(moved, dtype, settings)
+                if section == "train":
+                    rows += train_rows(moved, dtype, settings)
+                else:
+                    rows += infer_rows(moved, dtype, settings, compiled=section == "compile")
         except Exception as error:  # noqa: BLE001 - one failure is a row, the table still prints
             rows.append([section, case.name, f"FAILED {type(error).__name__}: {str(error).splitlines()[0][:80]}",
                          "", ""])

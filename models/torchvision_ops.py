@@ -8,6 +8,10 @@ before `import torchvision` (or call `import_torchvision()`); it does nothing wh
 """
 from __future__ import annotations
 
+import glob
+import importlib.util
+import os
+
 import torch
 
 _LIBRARY = None
@@ -31,10 +35,23 @@ def _nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> tor
     return torch.tensor(keep, dtype=torch.int64)
 
 
+def _extension_loads() -> bool:
+    """Whether torchvision's C extension loads beside this torch (a matching CUDA machine: it does)."""
+    spec = importlib.util.find_spec("torchvision")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for library in glob.glob(os.path.join(folder, "_C*.so")):
+            try:
+                torch.ops.load_library(library)
+                return True
+            except (OSError, RuntimeError):
+                return False
+    return False
+
+
 def register_missing_ops() -> bool:
     """Define torchvision::nms and ::qnms when the C extension cannot provide them; True if it did."""
     global _LIBRARY
-    if _LIBRARY is not None or hasattr(torch.ops.torchvision, "nms"):
+    if _LIBRARY is not None or hasattr(torch.ops.torchvision, "nms") or _extension_loads():
         return False
     _LIBRARY = torch.library.Library("torchvision", "DEF")
     _LIBRARY.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")

@@ -157,3 +157,30 @@ def test_explain_verify_and_compare_read_a_frozen_graph():
     amp_compiler.verify(frozen, *inputs)                    # the recorded dtypes are the ones it runs
     assert "bfloat16" in str(amp_compiler.explain(frozen)).splitlines()[1]
     assert "passed" in str(amp_compiler.compare(model, frozen, inputs)).splitlines()[0]
+
+
+class ComparisonCounter(TorchDispatchMode):
+    """Counts aten.equal calls: each one is a device sync on a GPU (its answer is a Python bool)."""
+
+    def __init__(self):
+        super().__init__()
+        self.comparisons = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.comparisons += func.overloadpacket is torch.ops.aten.equal
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_frozen_call_compares_all_weights_in_one_operation_and_still_sees_a_write_through_data():
+    model, inputs = _task("gpt")
+    frozen = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=inputs, freeze=True).eval()
+    assert frozen.meta["amp"]["frozen"]["weight_casts_frozen"] > 10
+    with torch.inference_mode():
+        frozen(*inputs)                                   # makes the copies
+        with ComparisonCounter() as counter:
+            frozen(*inputs)
+        assert counter.comparisons == 1                   # one per device per call, not one per weight
+        weight = next(m for m in model.modules() if isinstance(m, nn.Linear)).weight
+        weight.data.mul_(3)                               # .data: its own version counter, only values tell
+        expected = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=inputs).eval()(*inputs)
+        assert torch.equal(frozen(*inputs), expected)

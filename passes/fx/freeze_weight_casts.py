@@ -1,11 +1,13 @@
 """Read the low-precision copy of a weight from a cache instead of casting it on every call (frozen inference).
 
     w_bf16 = amp_cast(self.fc.weight, torch.bfloat16)
-        ->   w_bf16 = amp_frozen_cast(self.fc.weight, torch.bfloat16, self.amp_frozen_weights)
+        ->   copies = amp_frozen_check(self.amp_frozen_weights)          # once, first in the graph
+             w_bf16 = amp_frozen_cast(self.fc.weight, torch.bfloat16, copies)
 Only casts of a parameter or buffer read with get_attr change; activation casts stay. The cache
 (amp_compiler/frozen.py: FrozenWeights, a child module named `holder`) decides at run time whether its
-copy is still the weight's: it checks the weight's identity, version counter, storage and a sample of its
-values, and casts afresh while training. Runs on a converted graph, after the fx pipeline.
+copy is still the weight's: the check compares a sample of every weight's values at once, each read the
+weight's identity, version counter and storage; it casts afresh while training. Runs on a converted graph,
+after the fx pipeline.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.fx.runtime import amp_frozen_cast, is_cast, is_float
+from amp_compiler.passes.fx.runtime import amp_frozen_cast, amp_frozen_check, is_cast, is_float
 from amp_compiler.passes.runner import PassResult
 
 
@@ -31,9 +33,10 @@ def freeze_weight_casts(gm: fx.GraphModule, holder: str) -> PassResult:
         if holder_node is None:
             first_compute = next(n for n in graph.nodes if n.op != "placeholder")
             with graph.inserting_before(first_compute):
-                holder_node = graph.get_attr(holder)
-            holder_node.meta["amp"] = {"op": "get_attr", "class": "io", "precision": None,
-                                       "rule": "frozen inference: the cache of low-precision weight copies"}
+                holder_node = graph.call_function(amp_frozen_check, (graph.get_attr(holder),))
+            holder_node.meta["amp"] = {"op": "amp_frozen_check", "class": "io", "precision": None,
+                                       "rule": "frozen inference: the cache of low-precision weight copies, "
+                                               "checked once per call"}
         cast.target = amp_frozen_cast
         cast.args = (source, dtype, holder_node)
         cast.meta["amp"] = {**cast.meta.get("amp", {}), "rule": f"frozen: {source.target} cast once, cached"}
