@@ -7,7 +7,8 @@ Sections (one row each, alternated runs, medians; "ratio" = ours / the baseline 
   train   fp16 and bf16 train step (forward, backward, SGD): ours O1 (+ amp_compiler.GradScaler for fp16)
           against torch.autocast (+ torch.amp.GradScaler for fp16), and the floor of any cast placement: the
           whole model in fp16/bf16 with no cast at all (not a recipe: norms and softmax rounded)
-  infer   latency per call, the dtype of --infer-dtype: fp32 eager, autocast, ours, ours frozen
+  infer   latency per call, the dtype of --infer-dtype: fp32 eager, autocast, ours, ours frozen; and the
+          dtype casts one call makes (aten._to_copy), autocast's included
   onnx    ONNX Runtime latency (CUDA provider when usable): fp32 export, export_onnx fp16, convert_onnx fp16
   compile torch.compile (inductor; "eager" backend with --dry-run) of autocast and of ours, inference
 Sections run in that order. A global time budget (--budget-s, default 450 s) skips what is left, saying so,
@@ -190,11 +191,20 @@ def infer_rows(case: Case, dtype: torch.dtype, settings: Settings, compiled: boo
         calls = {"fp32 eager": model, "autocast": autocast_of(model), "ours": gm, "ours frozen": frozen}
     with torch.inference_mode():
         ms = alternate({name: (lambda run=run: run(*case.inputs)) for name, run in calls.items()}, settings)
+        casts = {} if compiled else {name: _casts_per_call(run, case.inputs) for name, run in calls.items()}
     label = f"{'compile' if compiled else 'infer'} {str(dtype).removeprefix('torch.')}"
     baseline = {"ours": "autocast", "ours frozen": "autocast", "ours+compile": "autocast+compile"}
     return [[label, case.name, name, f"{ms[name]:.3f}",
-             f"{ms[name] / ms[baseline[name]]:.2f} of {baseline[name]}" if name in baseline else ""]
-            for name in calls]
+             f"{ms[name] / ms[baseline[name]]:.2f} of {baseline[name]}" if name in baseline else "",
+             casts.get(name, "")] for name in calls]
+
+
+def _casts_per_call(run, inputs) -> int:
+    """Dtype-changing casts one call makes on this device (autocast's own included)."""
+    from bench_convert import CastCounter
+    with CastCounter() as counter:
+        run(*inputs)
+    return counter.casts
 
 
 def onnx_rows(case: Case, settings: Settings) -> list[list]:
@@ -230,7 +240,8 @@ def print_table(rows: list[list], settings: Settings) -> None:
     where = torch.cuda.get_device_name() if settings.device == "cuda" else "CPU"
     table(f"amp-compiler vs torch.autocast on {where}, torch {torch.__version__}, median of {settings.repeats} "
           f"alternated runs{' (dry run: tiny sizes)' if settings.dry_run else ''}, "
-          f"{time.perf_counter() - settings.started:.0f} s", ["section", "model", "variant", "ms", "ratio"], rows)
+          f"{time.perf_counter() - settings.started:.0f} s; casts: dtype casts per inference call",
+          ["section", "model", "variant", "ms", "ratio", "casts"], [(row + [""] * 6)[:6] for row in rows])
 
 
 def main(argv=None) -> list[list]:

@@ -7,7 +7,9 @@ IR-neutral placement hook of painting/place_casts.py.
 Bytes are each value's fp32 size. Inputs and weights hold their dtype; the graph's output wants the dtype
 the model returned (keep_io_types); ignored readers (user casts, opaque calls, in-place ops) take a value
 as it comes; a mixed-kernel norm reads its weights fp32 in either precision, so they are never cast for
-it. A graph without fake values is left as painted.
+it; an fp32 add/sub/mul/div whose other operand is a painted-fp32 tensor reads a low value as it comes
+(promote_in_kernel drops that cast: the kernel upcasts as it reads). A graph without fake values is left as
+painted.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from amp_compiler.passes.fx.insert_casts import written_value
+from amp_compiler.passes.fx.promote_in_kernel import PROMOTING_OPS, binary_operands
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.painting.place_casts import FP32, LOW, CastPlacement, ValueFlow
 from amp_compiler.passes.policy.rules import PrecisionRules
@@ -78,7 +81,8 @@ class FxCastPlacement:
                 continue
             readers = flow.readers[producer.name]
             for user in node.users:
-                if user.name in view and not self._weight_read_fp32(node, user) and user.name not in readers:
+                if user.name in view and not self._weight_read_fp32(node, user) and user.name not in readers \
+                        and not _promotes_in_kernel(node, user, view):
                     readers.append(user.name)
                 elif user.op == "output" and self.keep_io_types and facts(producer).get("dtype") == torch.float32:
                     readers.append(OUTPUT)
@@ -93,6 +97,22 @@ class FxCastPlacement:
 
     def _weight_read_fp32(self, value: fx.Node, reader: fx.Node) -> bool:
         return value.op == "get_attr" and self.rules.keeps_fp32_weights(facts(reader).get("op"))
+
+
+def _promotes_in_kernel(value: fx.Node, reader: fx.Node, view) -> bool:
+    """An fp32 add/sub/mul/div reading `value` beside a dimensioned fp32 tensor: in either precision of
+    `value` no cast is made for it (promote_in_kernel), so placement gains nothing by moving it for this reader."""
+    attrs = view.nodes[reader.name]
+    if facts(reader).get("op") not in PROMOTING_OPS or facts(reader).get("inplace") or attrs["precision"] != FP32:
+        return False
+    operands = binary_operands(reader)
+    if operands is None or value not in operands or operands[0] is operands[1]:
+        return False
+    other = operands[1] if operands[0] is value else operands[0]
+    other_precision = view.nodes[other.name]["precision"] if other.name in view else (
+        FP32 if facts(other).get("dtype") == torch.float32 else None)
+    fake = other.meta.get("val")
+    return other_precision == FP32 and isinstance(fake, torch.Tensor) and fake.dim() > 0
 
 
 def _names_a_dtype(node: fx.Node) -> bool:

@@ -1,0 +1,54 @@
+"""Let an fp32 add/sub/mul/div read its low input directly: the kernel upcasts, no fp32 copy is written.
+
+    add(amp_cast(h_bf16, float32), residual_fp32)   ->   add(h_bf16, residual_fp32)
+torch's type promotion computes bf16 + fp32 in fp32, converting each element as the kernel reads it; the
+conversion is exact, so the result is bitwise the cast-then-add's, and autograd casts the input's gradient
+back to bf16 as the cast's backward did. What goes is one tensor written and read again: a residual add
+after a low block (autocast gets the same saving from the same promotion). Only where promotion gives
+fp32: the other operand is an fp32 tensor with at least one dimension (a 0-dim fp32 tensor loses promotion
+to a dimensioned bf16 one, a Python number always does), and the op is out of place. Runs last on fx.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from amp_compiler.passes.fx.runtime import is_cast
+from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.runner import PassResult
+
+PROMOTING_OPS = {"add", "sub", "mul", "div"}
+
+
+def binary_operands(node: fx.Node) -> list[fx.Node] | None:
+    """The two tensor operands of a binary op, or None when its arguments are anything else."""
+    values = [*node.args[:2], *(node.kwargs[k] for k in ("other",) if k in node.kwargs)]
+    operands = [v for v in values if isinstance(v, fx.Node)]
+    return operands if len(operands) == 2 else None
+
+
+def _dimensioned_fp32(node: fx.Node) -> bool:
+    fake = node.meta.get("val")
+    return (facts(node).get("dtype") == torch.float32 and isinstance(fake, torch.Tensor) and fake.dim() > 0
+            and not is_cast(node))   # another upcast: one of the two must stay for the result to be fp32
+
+
+def promote_in_kernel(gm: fx.GraphModule) -> PassResult:
+    graph, promoted = gm.graph, 0
+    for op in list(graph.nodes):
+        if (op.op not in ("call_function", "call_method") or facts(op).get("op") not in PROMOTING_OPS
+                or facts(op).get("inplace") or facts(op).get("dtype") != torch.float32):
+            continue
+        operands = binary_operands(op)
+        if operands is None or operands[0] is operands[1]:
+            continue
+        for cast, other in (operands, operands[::-1]):
+            if (is_cast(cast) and not cast.kwargs and cast.args[1] == torch.float32
+                    and facts(cast.args[0]).get("dtype") in (torch.float16, torch.bfloat16)
+                    and _dimensioned_fp32(other)):
+                op.replace_input_with(cast, cast.args[0])
+                if not cast.users:
+                    graph.erase_node(cast)
+                promoted += 1
+                break
+    return PassResult(modified=promoted > 0, counts={"upcasts_left_to_the_kernel": promoted})
