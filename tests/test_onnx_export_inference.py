@@ -25,7 +25,8 @@ from real_models import REAL_MODELS
 
 CNNS = ("tv_resnet18", "tv_mobilenet_v3")
 TRANSFORMERS = ("hf_bert_sdpa", "hf_gpt2_sdpa", "nn_transformer_encoder")
-SOFTMAX_AND_REDUCTIONS = ("Softmax", "LogSoftmax", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceLogSumExp")
+# ReduceMean is not here: an average runs low (op_policy "average"; ORT's kernels sum fp16 in fp32).
+SOFTMAX_AND_REDUCTIONS = ("Softmax", "LogSoftmax", "ReduceSum", "ReduceSumSquare", "ReduceLogSumExp")
 NORMS = ("LayerNormalization", "BatchNormalization", "GroupNormalization", "InstanceNormalization")
 FP16_TOLERANCE = 1e-2     # of the output's scale
 

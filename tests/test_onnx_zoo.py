@@ -16,7 +16,7 @@ from onnx_testing import F16, F32, all_nodes, assert_valid, run, same_model, val
 
 LEVELS = ("O1", "O2", "O3")
 WEIGHT_READERS = {"MatMul": 1, "Gemm": 1, "Conv": 1}     # op type -> index of its weight input
-FP32_AT_O1 = ("LayerNormalization", "Softmax", "ReduceMean", "ReduceSum", "Exp", "Pow")
+FP32_AT_O1 = ("LayerNormalization", "Softmax", "ReduceSum", "Exp", "Pow")   # ReduceMean: an average runs low
 
 
 @pytest.fixture(scope="module", params=ZOO_NAMES)

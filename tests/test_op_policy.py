@@ -43,3 +43,38 @@ def test_default_lists_are_sorted_views_of_the_table():
     allow = default_lists("allow")
     assert allow == sorted(allow) and "linear" in allow and "softmax" not in allow
     assert "pow" in default_lists("deny", "float16") and "pow" not in default_lists("deny", "bfloat16")
+
+
+def test_an_average_runs_low_without_overflowing_where_a_sum_stays_fp32():
+    """mean is an infer op: its value cannot exceed its inputs', and torch's kernels sum fp16 inputs in fp32,
+    so 100,000 values near 1,000 (a sum of 1e8, far past fp16's 65504) average correctly in fp16. sum, whose
+    value does overflow, stays fp32."""
+    import torch
+    from torch import nn
+
+    import amp_compiler
+
+    class Pools(nn.Module):
+        """Identity linears: the mean sits between low ops (a squeeze-excite block's shape) and reads ~1,000."""
+
+        def __init__(self):
+            super().__init__()
+            self.proj, self.head = nn.Linear(4, 4), nn.Linear(4, 4)
+            with torch.no_grad():
+                for linear in (self.proj, self.head):
+                    linear.weight.copy_(torch.eye(4))
+                    linear.bias.zero_()
+
+        def forward(self, x):
+            h = self.proj(x)
+            return self.head(h.mean(1)), self.head(h.sum(1) / h.shape[1])
+
+    x = 1000 + torch.rand(2, 100_000, 4)
+    gm = amp_compiler.convert(Pools(), "O1", dtype=torch.float16, example_inputs=(x,))
+    precision = {n.meta["amp"].get("op"): n.meta["amp"].get("precision") for n in gm.graph.nodes}
+    assert precision["mean"] == "low" and precision["sum"] == "fp32"
+    mean, by_sum = gm(x)
+    expected = x.half().double().mean(1)   # the inputs as fp16 holds them
+    assert mean.dtype == torch.float32   # keep_io_types: the graph's outputs keep the model's dtype
+    torch.testing.assert_close(mean.double(), expected, rtol=1e-3, atol=0)   # fp16 rounding of the result only
+    torch.testing.assert_close(by_sum.double(), expected, rtol=1e-5, atol=0)

@@ -62,7 +62,7 @@ _TABLE: list[OpRule] = [
             "exp expm1 exp2 log log2 log10 log1p pow float_power reciprocal rsqrt acos asin cosh sinh tan "
             "erfinv softplus lgamma digamma"),
     *_rules("deny", "reduction", "reductions accumulate many terms: fp16 overflows past 65504 and rounds",
-            "sum prod cumsum cumprod logsumexp mean std var var_mean std_mean norm vector_norm matrix_norm "
+            "sum prod cumsum cumprod logsumexp std var var_mean std_mean norm vector_norm matrix_norm "
             "frobenius_norm nuclear_norm renorm normalize cosine_similarity dist pdist cdist trace"),
     *_rules("deny", "resample", "interpolation weights sum many neighbours; autocast keeps it fp32",
             "interpolate upsample upsample_nearest1d upsample_nearest2d upsample_nearest3d "
@@ -82,6 +82,9 @@ _TABLE: list[OpRule] = [
             "logsigmoid softsign tanhshrink erf erfc"),
     *_rules("infer", "pooling", "averages a small window: safe when inputs are low precision",
             "avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d"),
+    *_rules("infer", "average", "an average cannot exceed its inputs' magnitude (no overflow) and torch's CPU and "
+            "CUDA kernels sum low-precision inputs in fp32; as a global average pool is, and autocast leaves it "
+            "in its input's dtype", "mean"),
     *_rules("infer", "trig", "bounded trigonometric functions", "sin cos atan atan2"),
     # --- clear: data movement and selection, numerically neutral.
     *_rules("clear", "shape", "moves values without changing them",
