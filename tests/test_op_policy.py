@@ -78,3 +78,19 @@ def test_an_average_runs_low_without_overflowing_where_a_sum_stays_fp32():
     assert mean.dtype == torch.float32   # keep_io_types: the graph's outputs keep the model's dtype
     torch.testing.assert_close(mean.double(), expected, rtol=1e-3, atol=0)   # fp16 rounding of the result only
     torch.testing.assert_close(by_sum.double(), expected, rtol=1e-5, atol=0)
+
+
+def test_onnx_runtime_averages_fp16_in_fp32_as_the_average_rule_assumes():
+    """The "average" rule holds for the exported ONNX too: ORT's fp16 ReduceMean sums in fp32."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from amp_compiler.onnx.sessions import make_session
+
+    graph = helper.make_graph([helper.make_node("ReduceMean", ["x"], ["y"], keepdims=0)], "average",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [100_000])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = (1000 + np.random.default_rng(0).random(100_000)).astype(np.float16)   # a sum of 1e8
+    (y,) = make_session(model.SerializeToString()).run(None, {"x": x})
+    assert np.isfinite(y) and abs(float(y) - x.astype(np.float64).mean()) < 1.0   # fp16 spacing at 1,000 is 0.5
