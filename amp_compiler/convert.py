@@ -23,6 +23,7 @@ from amp_compiler.passes.fx.constant_range import warn_constants_beyond_fp16
 from amp_compiler.passes.fx.cast_after_layout_ops import cast_after_layout_ops
 from amp_compiler.passes.fx.decide_precision import decide_fx_precision
 from amp_compiler.passes.fx.fold_casts import count_casts, fold_casts
+from amp_compiler.passes.fx.fused_attention_masks import fused_attention_masks
 from amp_compiler.passes.fx.promote_in_kernel import promote_in_kernel
 from amp_compiler.passes.fx.infer_dtypes import infer_dtypes
 from amp_compiler.passes.fx.insert_casts import insert_casts, output_value_nodes
@@ -141,6 +142,8 @@ FX_PIPELINE = Pipeline("fx", (
     Pass("cast_after_layout_ops", lambda s: cast_after_layout_ops(s.gm),   # a transposed low input slows matmuls
          when=_paints, when_says=_PAINTING),
     Pass("promote_in_kernel", lambda s: promote_in_kernel(s.gm),   # bf16 + fp32 upcasts as it reads: no copy
+         when=_paints, when_says=_PAINTING),
+    Pass("fused_attention_masks", lambda s: fused_attention_masks(s.gm),   # GPU sdpa kernels need mask stride 1
          when=_paints, when_says=_PAINTING),
 ), check=check_fx_graph)
 

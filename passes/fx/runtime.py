@@ -5,6 +5,7 @@
     amp_opaque_call(self.block, (torch.bfloat16, torch.float32), x)   code fx cannot see into (opaque_calls)
     dropout_p_when_training(p, self.training_flag())     a train flag torch.export baked in (export_capture)
     amp_frozen_cast(w, torch.bfloat16, self.amp_frozen_weights)   a weight's cached low copy (freeze_weight_casts)
+    mask_for_fused_attention(mask)                      an sdpa mask laid out for GPU kernels (fused_attention_masks)
 
 Each is a `graph_leaf`: torch.load re-creates a GraphModule by tracing its generated code again;
 torch.fx.wrap only covers calls by the wrapped name inside the module that wrapped it, so without this
@@ -100,6 +101,17 @@ def amp_opaque_call(callee, policy: tuple, *args, **kwargs):
     return torch.utils._pytree.tree_map(
         lambda v: v.to(output_dtype) if isinstance(v, torch.Tensor) and is_float(v.dtype)
         and v.dtype != output_dtype else v, out)
+
+
+@graph_leaf
+def mask_for_fused_attention(mask):
+    """An attention mask whose last dim has stride 0 (expanded), made dense on a GPU: torch's fused GPU
+    attention kernels refuse such a mask and fall back to the math kernel, which computes fp16 attention in
+    fp32 (HF BERT on an H200: fp32 bmm, 1.3-1.4x autocast's time). The CPU kernels take any stride: no copy."""
+    if isinstance(mask, torch.Tensor) and mask.device.type != "cpu" and mask.dim() and mask.stride(-1) != 1 \
+            and mask.shape[-1] > 1:
+        return mask.contiguous()
+    return mask
 
 
 @graph_leaf
