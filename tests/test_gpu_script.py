@@ -22,3 +22,19 @@ def test_the_gpu_script_dry_run_fills_every_section(capsys):
     assert {"ours O1", "autocast+GradScaler", "ours frozen", "ours+compile", "export_onnx", "convert_onnx"} <= variants
     table = capsys.readouterr().out
     assert "amp-compiler vs torch.autocast on CPU" in table and "dry run" in table
+    assert {"compile bfloat16", "infer bfloat16"} <= sections and "vit_b_16" in {row[1] for row in rows}
+    floor = [row for row in rows if row[2] == "all low, no cast (floor)"]
+    assert floor and all("of autocast" in row[4] for row in floor)
+    casts = [row for row in rows if row[0].startswith("infer") and row[2] in ("ours", "autocast")]
+    assert casts and all(isinstance(row[5], int) and row[5] > 0 for row in casts)
+
+
+def test_the_profile_script_dry_run_lists_both_sides_and_their_difference(capsys):
+    sys.path.insert(0, str(GPU_SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("gpu_profile", GPU_SCRIPT.parent / "gpu_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    profile.main(["mlp", "--dry-run", "--top", "3"])
+    out = capsys.readouterr().out
+    assert "autocast:" in out and "ours O1:" in out and "ours - autocast" in out
+    assert out.count(" calls ") >= 6
