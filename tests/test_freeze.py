@@ -184,3 +184,33 @@ def test_a_frozen_call_compares_all_weights_in_one_operation_and_still_sees_a_wr
         weight.data.mul_(3)                               # .data: its own version counter, only values tell
         expected = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=inputs).eval()(*inputs)
         assert torch.equal(frozen(*inputs), expected)
+
+
+class GRUHead(nn.Module):
+    """A low leaf fx cannot lower (nn.GRU): its parameters go through amp_module_call."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru, self.head = nn.GRU(8, 16, batch_first=True), nn.Linear(16, 4)
+
+    def forward(self, x):
+        out, _ = self.gru(x)
+        return self.head(out[:, -1])
+
+
+def test_a_frozen_low_leaf_reads_cached_parameters_and_compare_still_replays_fp32():
+    torch.manual_seed(0)
+    model, x = GRUHead().eval(), torch.randn(2, 5, 8)
+    plain = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,)).eval()
+    frozen = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,), freeze=True).eval()
+    assert frozen.meta["amp"]["frozen"]["module_calls_frozen"] == 1
+    with torch.inference_mode():
+        frozen(x)
+        with WeightCastCounter(model.gru.parameters()) as counter:
+            out = frozen(x)
+        with WeightCastCounter(model.gru.parameters()) as unfrozen:
+            expected = plain(x)
+    assert unfrozen.weight_casts == len(list(model.gru.parameters())) and counter.weight_casts == 0
+    assert torch.equal(out, expected)
+    errors = lambda gm: [(e.node, e.max_abs) for e in amp_compiler.compare(model, gm, (x,)).errors]   # noqa: E731
+    assert errors(frozen) == errors(plain)             # the fp32 replay reads fp32 weights, frozen or not

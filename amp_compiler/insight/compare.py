@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.insight.graph_decisions import graph_summary, is_cast, module_of
-from amp_compiler.passes.fx.runtime import amp_module_call
+from amp_compiler.passes.fx.runtime import amp_frozen_cast, amp_frozen_module_call, amp_module_call
 from amp_compiler.passes.node_facts import facts
 
 MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23}
@@ -148,14 +148,15 @@ class _Recorder(fx.Interpreter):
         self.fp32, self.values = fp32, {}
 
     def run_node(self, node: fx.Node):
-        if self.fp32 and is_cast(node):
+        if self.fp32 and (is_cast(node) or node.target is amp_frozen_cast):   # the weight comes first in both
             result = self.env[node.args[0]] if isinstance(node.args[0], fx.Node) else node.args[0]
         elif self.fp32 and facts(node).get("family") == "opaque":
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             result = node.target(args[0], (None, None), *args[2:], **kwargs)   # as written: no autocast
-        elif self.fp32 and node.target is amp_module_call:
+        elif self.fp32 and node.target in (amp_module_call, amp_frozen_module_call):
             args, kwargs = self.fetch_args_kwargs_from_env(node)
-            result = args[0](*args[2:], **kwargs)                 # a low leaf (an RNN) with its fp32 parameters
+            first = 2 if node.target is amp_module_call else 3   # the frozen call also takes the copies
+            result = args[0](*args[first:], **kwargs)             # a low leaf (an RNN) with its fp32 parameters
         else:
             result = super().run_node(node)
         if node.op != "output" and isinstance(result, torch.Tensor) and result.is_floating_point():

@@ -4,7 +4,8 @@
     amp_module_call(self.gru, torch.float16, x)          a low leaf with its parameters cast for one call
     amp_opaque_call(self.block, (torch.bfloat16, torch.float32), x)   code fx cannot see into (opaque_calls)
     dropout_p_when_training(p, self.training_flag())     a train flag torch.export baked in (export_capture)
-    amp_frozen_cast(w, torch.bfloat16, self.amp_frozen_weights)   a weight's cached low copy (freeze_weight_casts)
+    amp_frozen_cast(w, torch.bfloat16, copies)           a weight's cached low copy (freeze_weight_casts)
+    amp_frozen_module_call(self.gru, torch.float16, copies, x)   a low leaf reading cached parameter copies
     mask_for_fused_attention(mask)                      an sdpa mask laid out for GPU kernels (fused_attention_masks)
 
 Each is a `graph_leaf`: torch.load re-creates a GraphModule by tracing its generated code again;
@@ -126,6 +127,14 @@ def amp_frozen_check(copies):
     not one per weight). Returns `copies` for the casts to read, which orders them after the check."""
     copies.check()
     return copies
+
+
+@graph_leaf
+def amp_frozen_module_call(module: nn.Module, dtype: torch.dtype, copies, *args, **kwargs):
+    """amp_module_call with each floating parameter read from `copies` (FrozenWeights): cast once, not per call."""
+    params = {name: copies.read(p, dtype) if p.is_floating_point() and p.dtype != torch.float64 else p
+              for name, p in module.named_parameters()}
+    return torch.func.functional_call(module, params, args, kwargs)
 
 
 @graph_leaf
