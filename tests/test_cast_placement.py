@@ -153,3 +153,42 @@ def test_the_cut_moves_a_chain_that_one_flip_at_a_time_cannot():
         return {n: view.nodes[n]["precision"] for n in ("reshape", "slice")}, placement.counts["bytes_cast_after"]
     assert placed("greedy") == ({"reshape": "low", "slice": "low"}, 4096)
     assert placed("cut") == ({"reshape": "fp32", "slice": "fp32"}, 256)
+
+
+def test_convert_onnx_places_casts_with_the_same_hook_and_fewer_bytes():
+    """The ONNX adapter (passes/onnx/place_casts.py) feeds the same placement: on the zoo GAT's fp32 export
+    the edge gather moves to the small side, as convert() does on the fx graph (6 Casts -> 4 here)."""
+    import math
+    import os
+    import tempfile
+
+    import numpy as np
+    import onnx_ir as ir
+
+    from amp_compiler import convert_onnx
+    from amp_compiler.onnx.export import export_fp32_reference
+    from amp_compiler.onnx.sessions import make_session
+    from models import build
+
+    def casts(model: ir.Model) -> tuple[int, int]:
+        nodes = [n for n in model.graph if n.op_type == "Cast"]
+        return len(nodes), sum(math.prod(n.inputs[0].shape.dims) * 4 for n in nodes)
+
+    task = build("gat", size="small")
+    task.model.eval()
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "gat.onnx")
+        export_fp32_reference(task.model, task.example_inputs, source)
+        painted = convert_onnx(source, None, "O1", cast_placement=False)
+        placed = convert_onnx(source, None, "O1")
+    counts = placed.pass_counts["decide_precision"]
+    assert counts["nodes_moved"] > 0 and counts["bytes_cast_after"] < counts["bytes_cast_before"]
+    before, after = (casts(ir.from_proto(r.model)) for r in (painted, placed))
+    assert after[0] <= before[0] and after[1] < before[1], (before, after)
+    assert after[1] == counts["bytes_cast_after"]                 # the flow predicts what the file casts
+    feeds = lambda session: {i.name: v.numpy() for i, v in zip(session.get_inputs(), task.example_inputs)}  # noqa
+    outputs = []
+    for report in (painted, placed):
+        session = make_session(report.model.SerializeToString())
+        outputs.append(session.run(None, feeds(session))[0])
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-2, atol=1e-2 * np.abs(outputs[0]).max())

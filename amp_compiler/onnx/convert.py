@@ -25,6 +25,7 @@ from amp_compiler.onnx.progress import PROGRESS_AFTER_SECONDS, ConversionProgres
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts, decision_rows
 from amp_compiler.passes.onnx.calibrate_ranges import record_onnx_ranges
 from amp_compiler.passes.onnx.decide_precision import decide_onnx_precision
+from amp_compiler.passes.onnx.place_casts import OnnxCastPlacement
 from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks
 from amp_compiler.passes.onnx.declare_initializer_inputs import declare_initializer_inputs
 from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
@@ -119,6 +120,17 @@ class OnnxState:
         return IR_LOW_DTYPES[self.config.low_dtype]
 
 
+def _decide(state: OnnxState) -> PassResult:
+    hooks = calibrated_hooks(state.model.graph, state.config.low_dtype)
+    placement = OnnxCastPlacement(state.model, state.config.keep_io_types) if state.config.cast_placement else None
+    result = decide_onnx_precision(state.model, state.config.precision_rules(), state.low,
+                                   op_block_list=state.op_block_list, node_block_list=state.node_block_list,
+                                   painted=(*hooks, placement) if placement else hooks)
+    if placement is not None:
+        result.counts.update(placement.counts)
+    return result
+
+
 def sort_nodes(model: ir.Model) -> PassResult:
     return PassResult(modified=TopologicalSortPass()(model).modified)
 
@@ -137,10 +149,7 @@ ONNX_PIPELINE = Pipeline("onnx", (
     Pass("calibrate_ranges", lambda s: record_onnx_ranges(s.model, s.calibration_data, s.config.low_dtype),
          when=lambda s: s.calibration_data is not None, when_says="with calibration_data"),   # fp32 runs on samples
     Pass("strip_float_casts", lambda s: strip_onnx_float_casts(s.model)),   # records source dtypes, painting decides
-    Pass("decide_precision", lambda s: decide_onnx_precision(s.model, s.config.precision_rules(), s.low,
-                                                             op_block_list=s.op_block_list,
-                                                             node_block_list=s.node_block_list,
-                                                             painted=calibrated_hooks(s.model.graph, s.config.low_dtype))),
+    Pass("decide_precision", lambda s: _decide(s)),   # painting, calibration, then cast placement (as on fx)
     Pass("store_moved_weights_low", lambda s: store_moved_onnx_weights_low(s.model, s.low)),   # revisits fp32 movers
     Pass("insert_casts", lambda s: insert_onnx_casts(s.model, s.low, s.config.keep_io_types)),
     Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # weights, constants, chains, duplicates
