@@ -29,6 +29,8 @@ def test_a_residual_add_reads_the_low_value_and_matches_cast_then_add_bitwise():
     model, x = Residual(), torch.randn(4, 16, requires_grad=True)
     gm = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,), force_fp32=["add"])
     assert not _casts_into(gm, "add")                    # the add reads the bf16 linear output
+    rule = next(row["rule"] for row in amp_compiler.explain(gm).rows if row["node"] == "add")
+    assert "reads linear uncast (type promotion)" in rule, rule
     assert len(_casts_into(gm, "mul")) == 1              # 0-dim scale: bf16 * fp32 scalar tensor would be bf16
     residual, scaled = gm(x)
     (residual.sum() + scaled.sum()).backward()

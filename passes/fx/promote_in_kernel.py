@@ -46,9 +46,12 @@ def promote_in_kernel(gm: fx.GraphModule) -> PassResult:
             if (is_cast(cast) and not cast.kwargs and cast.args[1] == torch.float32
                     and facts(cast.args[0]).get("dtype") in (torch.float16, torch.bfloat16)
                     and _dimensioned_fp32(other)):
-                op.replace_input_with(cast, cast.args[0])
+                source = cast.args[0]
+                op.replace_input_with(cast, source)
                 if not cast.users:
                     graph.erase_node(cast)
+                amp = facts(op)   # explain() shows why no cast feeds it
+                amp["rule"] = f"{amp.get('rule', '')}; reads {source.name} uncast (type promotion)"
                 promoted += 1
                 break
     return PassResult(modified=promoted > 0, counts={"upcasts_left_to_the_kernel": promoted})
