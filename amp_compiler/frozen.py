@@ -71,15 +71,16 @@ class FrozenWeights(nn.Module):
     """The low-precision copies of one graph's weights, keyed by (weight, dtype). No parameters, no buffers:
     the state_dict is the model's; the copies are not saved (torch.save/deepcopy drop them)."""
 
-    def __init__(self):
+    def __init__(self, sample_values: bool = True):
         super().__init__()
+        self.sample_values = sample_values   # False: no value comparison, so no device sync per call
         self._copies: dict[tuple[int, torch.dtype], _Copy] = {}
         self._samples: dict[torch.device, tuple[list[_Copy], torch.Tensor]] | None = None   # per device, joined
         self.copies_made = 0
 
     def check(self) -> None:
         """Drop every copy whose weight's sampled values changed: one comparison per device for all weights."""
-        if self.training or torch.compiler.is_compiling() or not self._copies:
+        if not self.sample_values or self.training or torch.compiler.is_compiling() or not self._copies:
             return
         if self._samples is None:
             groups: dict[torch.device, list[_Copy]] = {}
@@ -119,7 +120,7 @@ class FrozenWeights(nn.Module):
         return state
 
     def __deepcopy__(self, memo):
-        return FrozenWeights().train(self.training)
+        return FrozenWeights(self.sample_values).train(self.training)
 
 
 def _converted_graphs(model: nn.Module) -> list[fx.GraphModule]:
@@ -127,16 +128,21 @@ def _converted_graphs(model: nn.Module) -> list[fx.GraphModule]:
             and not hasattr(m, HOLDER)]
 
 
-def freeze(model: nn.Module) -> nn.Module:
+def freeze(model: nn.Module, *, sample_values: bool = True) -> nn.Module:
     """Let every converted graph in `model` (a convert() result, or a model whose children convert() converted)
     keep low-precision copies of the weights it casts; returns `model`, changed in place. Copies are made on
-    the first inference call; call it in eval mode under torch.no_grad()/inference_mode()."""
+    the first inference call; call it in eval mode under torch.no_grad()/inference_mode().
+    `sample_values=False`: copies are checked by identity, version counter and storage only, with no device
+    sync per call; a write through `.data` (param.data.mul_()) then goes unseen: for serving a model nothing
+    writes to, e.g. latency-bound GPU inference."""
+    if not isinstance(sample_values, bool):
+        raise TypeError(f"sample_values must be True or False, got {sample_values!r}")
     graphs = _converted_graphs(model)
     if not graphs and not any(hasattr(m, HOLDER) for m in model.modules()):
         raise TypeError(f"freeze() takes what amp_compiler.convert() returned; {type(model).__name__} holds no "
                         "converted graph")
     for gm in graphs:
-        gm.add_submodule(HOLDER, FrozenWeights().train(gm.training))
+        gm.add_submodule(HOLDER, FrozenWeights(sample_values).train(gm.training))
         counts = freeze_weight_casts(gm, HOLDER).counts
         gm.graph.lint()
         gm.recompile()

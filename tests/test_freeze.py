@@ -214,3 +214,20 @@ def test_a_frozen_low_leaf_reads_cached_parameters_and_compare_still_replays_fp3
     assert torch.equal(out, expected)
     errors = lambda gm: [(e.node, e.max_abs) for e in amp_compiler.compare(model, gm, (x,)).errors]   # noqa: E731
     assert errors(frozen) == errors(plain)             # the fp32 replay reads fp32 weights, frozen or not
+
+
+def test_freeze_without_value_samples_makes_no_comparison_and_still_sees_an_optimizer_step():
+    model, inputs = _task("gpt")
+    gm = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=inputs).eval()
+    amp_compiler.freeze(gm, sample_values=False)
+    with torch.inference_mode():
+        gm(*inputs)
+        with ComparisonCounter() as counter:
+            gm(*inputs)
+    assert counter.comparisons == 0                       # no device sync per call
+    next(m for m in _mutations(model) if m.__name__ == "optimizer_step")(model)   # seen without sampling
+    with torch.inference_mode():
+        expected = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=inputs).eval()(*inputs)
+        assert torch.equal(gm(*inputs), expected)
+    with pytest.raises(TypeError, match="sample_values"):
+        amp_compiler.freeze(amp_compiler.convert(model, "O1", example_inputs=inputs), sample_values="no")
