@@ -8,7 +8,8 @@ Bytes are each value's fp32 size, a named dim (batch, sequence) counted as 32: e
 batch and sequence dims symbolic, and one figure for all of them keeps the sizes comparable (a seq x seq
 score against a seq x hidden activation). Graph inputs hold their dtype; graph outputs want theirs back with
 keep_io_types; initializers are free to read in either precision (a low reader's copy is stored low, no
-Cast at run time), so they are not values of the flow; nodes painting leaves out hold their output's dtype.
+Cast at run time), so they are not values of the flow; nodes painting leaves out hold their output's dtype,
+and so does an output whose dtype an attribute fixes (RandomNormalLike, EyeLike with dtype=): never moved.
 A node moves only if it has one float output of known rank. A model with subgraphs (If, Loop, Scan) is
 left as painted: a value read inside a branch has readers the main graph does not show.
 """
@@ -18,11 +19,12 @@ import math
 
 import onnx_ir as ir
 
-from amp_compiler.passes.onnx.spec import input_role, is_float_value, subgraphs_of, tensor_dtype
+from amp_compiler.passes.onnx.spec import follows_precision, input_role, is_float_value, subgraphs_of, tensor_dtype
 from amp_compiler.passes.painting.place_casts import FP32, LOW, CastPlacement, ValueFlow
 
 OUTPUT = "graph output"
 INPUT = "graph input: "   # + the input's name: the flow's key for a value no node produces
+OWN_DTYPE = "own dtype: "   # + the node's name: a value whose dtype an attribute fixes (RandomNormalLike...)
 
 
 SYMBOLIC_DIM = 32   # what a named dim (batch, sequence) counts as: one figure for all, so sizes compare
@@ -69,10 +71,12 @@ class OnnxCastPlacement:
             size = fp32_bytes(floats[0]) if len(floats) == 1 else None
             if size is None:
                 continue
-            keys[floats[0]] = node.name
-            if node.name not in view:
-                flow.fixed[node.name] = _side(floats[0])   # painting leaves it as it is
-            flow.value_bytes[node.name], flow.readers[node.name] = size, []
+            # An output whose dtype an attribute fixes is not the node's precision: its own key, fixed.
+            key = node.name if follows_precision(node, floats[0].index()) else OWN_DTYPE + node.name
+            keys[floats[0]] = key
+            if node.name not in view or key != node.name:
+                flow.fixed[key] = _side(floats[0])   # painting leaves it as it is, or an attribute fixes it
+            flow.value_bytes[key], flow.readers[key] = size, []
         for node in graph:
             for index, value in enumerate(node.inputs):
                 key = keys.get(value) if value is not None else None
