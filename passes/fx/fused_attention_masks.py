@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.fx.runtime import mask_for_fused_attention
+from amp_compiler.passes.fx.runtime import mask_for_fused_attention, strided_last_dim
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.runner import PassResult
 
@@ -26,26 +26,19 @@ def _mask_of(node: fx.Node):
     return node.args[MASK_POSITION] if len(node.args) > MASK_POSITION else None
 
 
-def _strided_last_dim(mask: fx.Node) -> bool:
-    fake = mask.meta.get("val")
-    if not isinstance(fake, torch.Tensor) or fake.dim() == 0:
-        return False
-    stride, size = fake.stride(-1), fake.shape[-1]
-    return bool(stride != 1) and not (isinstance(size, int) and size == 1)
-
-
 def fused_attention_masks(gm: fx.GraphModule) -> PassResult:
     graph, wrapped = gm.graph, {}
     for node in list(graph.nodes):
         if facts(node).get("op") != "scaled_dot_product_attention" or node.op != "call_function":
             continue
         mask = _mask_of(node)
-        if not isinstance(mask, fx.Node) or not _strided_last_dim(mask):
+        fake = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+        if not isinstance(fake, torch.Tensor) or not strided_last_dim(fake):
             continue
         if mask not in wrapped:
             with graph.inserting_after(mask):
                 dense = graph.call_function(mask_for_fused_attention, (mask,))
-            dense.meta["val"] = mask.meta.get("val")
+            dense.meta["val"] = fake
             dense.meta["amp"] = {"op": "mask_for_fused_attention", "class": "ignore", "precision": None,
                                  "rule": "layout: an expanded attention mask made dense on a GPU, where fused "
                                          "attention kernels need its last dim at stride 1"}

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from amp_compiler.passes.fx.insert_casts import written_value
-from amp_compiler.passes.fx.promote_in_kernel import PROMOTING_OPS, binary_operands
+from amp_compiler.passes.fx.promote_in_kernel import promotion_partner
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.painting.place_casts import FP32, LOW, CastPlacement, ValueFlow
 from amp_compiler.passes.policy.rules import PrecisionRules
@@ -102,17 +102,12 @@ class FxCastPlacement:
 def _promotes_in_kernel(value: fx.Node, reader: fx.Node, view) -> bool:
     """An fp32 add/sub/mul/div reading `value` beside a dimensioned fp32 tensor: in either precision of
     `value` no cast is made for it (promote_in_kernel), so placement gains nothing by moving it for this reader."""
-    attrs = view.nodes[reader.name]
-    if facts(reader).get("op") not in PROMOTING_OPS or facts(reader).get("inplace") or attrs["precision"] != FP32:
+    other = promotion_partner(reader, value) if view.nodes[reader.name]["precision"] == FP32 else None
+    if other is None:
         return False
-    operands = binary_operands(reader)
-    if operands is None or value not in operands or operands[0] is operands[1]:
-        return False
-    other = operands[1] if operands[0] is value else operands[0]
-    other_precision = view.nodes[other.name]["precision"] if other.name in view else (
-        FP32 if facts(other).get("dtype") == torch.float32 else None)
-    fake = other.meta.get("val")
-    return other_precision == FP32 and isinstance(fake, torch.Tensor) and fake.dim() > 0
+    if other.name in view:
+        return view.nodes[other.name]["precision"] == FP32
+    return facts(other).get("dtype") == torch.float32
 
 
 def _names_a_dtype(node: fx.Node) -> bool:

@@ -27,31 +27,37 @@ def binary_operands(node: fx.Node) -> list[fx.Node] | None:
     return operands if len(operands) == 2 else None
 
 
-def _dimensioned_fp32(node: fx.Node) -> bool:
-    fake = node.meta.get("val")
-    return (facts(node).get("dtype") == torch.float32 and isinstance(fake, torch.Tensor) and fake.dim() > 0
-            and not is_cast(node))   # another upcast: one of the two must stay for the result to be fp32
+def promotion_partner(op: fx.Node, value: fx.Node) -> fx.Node | None:
+    """The other operand of an out-of-place add/sub/mul/div that reads `value`, when that operand is a tensor
+    with at least one dimension (so that, if it is fp32, type promotion makes the result fp32); else None."""
+    if facts(op).get("op") not in PROMOTING_OPS or facts(op).get("inplace"):
+        return None
+    operands = binary_operands(op)
+    if operands is None or value not in operands or operands[0] is operands[1]:
+        return None
+    other = operands[1] if operands[0] is value else operands[0]
+    fake = other.meta.get("val")
+    return other if isinstance(fake, torch.Tensor) and fake.dim() > 0 else None
 
 
 def promote_in_kernel(gm: fx.GraphModule) -> PassResult:
     graph, promoted = gm.graph, 0
     for op in list(graph.nodes):
-        if (op.op not in ("call_function", "call_method") or facts(op).get("op") not in PROMOTING_OPS
-                or facts(op).get("inplace") or facts(op).get("dtype") != torch.float32):
+        if op.op not in ("call_function", "call_method") or facts(op).get("dtype") != torch.float32:
             continue
-        operands = binary_operands(op)
-        if operands is None or operands[0] is operands[1]:
-            continue
-        for cast, other in (operands, operands[::-1]):
-            if (is_cast(cast) and not cast.kwargs and cast.args[1] == torch.float32
-                    and facts(cast.args[0]).get("dtype") in (torch.float16, torch.bfloat16)
-                    and _dimensioned_fp32(other)):
-                source = cast.args[0]
-                op.replace_input_with(cast, source)
-                if not cast.users:
-                    graph.erase_node(cast)
-                amp = facts(op)   # explain() shows why no cast feeds it
-                amp["rule"] = f"{amp.get('rule', '')}; reads {source.name} uncast (type promotion)"
-                promoted += 1
-                break
+        for cast in [a for a in op.all_input_nodes if is_cast(a)]:
+            other = promotion_partner(op, cast)
+            # another upcast as the partner: one of the two must stay for the result to be fp32
+            if (other is None or is_cast(other) or facts(other).get("dtype") != torch.float32 or cast.kwargs
+                    or cast.args[1] != torch.float32
+                    or facts(cast.args[0]).get("dtype") not in (torch.float16, torch.bfloat16)):
+                continue
+            source = cast.args[0]
+            op.replace_input_with(cast, source)
+            if not cast.users:
+                graph.erase_node(cast)
+            amp = facts(op)   # explain() shows why no cast feeds it
+            amp["rule"] = f"{amp.get('rule', '')}; reads {source.name} uncast (type promotion)"
+            promoted += 1
+            break
     return PassResult(modified=promoted > 0, counts={"upcasts_left_to_the_kernel": promoted})

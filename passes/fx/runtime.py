@@ -73,12 +73,17 @@ def is_cast(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is amp_cast
 
 
+def _call_with_low_params(module: nn.Module, low, args, kwargs):
+    """Run `module` with each fp32/fp16/bf16 parameter replaced by low(parameter) for this call only."""
+    params = {name: low(p) if p.is_floating_point() and p.dtype != torch.float64 else p
+              for name, p in module.named_parameters()}
+    return torch.func.functional_call(module, params, args, kwargs)
+
+
 @graph_leaf
 def amp_module_call(module: nn.Module, dtype: torch.dtype, *args, **kwargs):
     """Run `module` with its floating parameters cast to `dtype` for this call only."""
-    params = {name: p.to(dtype) if p.is_floating_point() and p.dtype != torch.float64 else p
-              for name, p in module.named_parameters()}
-    return torch.func.functional_call(module, params, args, kwargs)
+    return _call_with_low_params(module, lambda p: p.to(dtype), args, kwargs)
 
 
 def _device_type(values) -> str:
@@ -104,13 +109,21 @@ def amp_opaque_call(callee, policy: tuple, *args, **kwargs):
         and v.dtype != output_dtype else v, out)
 
 
+def strided_last_dim(tensor: torch.Tensor) -> bool:
+    """Whether the last dim has a stride other than 1 and more than one element (a symbolic size counts as
+    more): the layout torch's fused GPU attention kernels refuse for a mask. Works on fake values too."""
+    if not tensor.dim():
+        return False
+    size = tensor.shape[-1]
+    return bool(tensor.stride(-1) != 1) and not (isinstance(size, int) and size <= 1)
+
+
 @graph_leaf
 def mask_for_fused_attention(mask):
     """An attention mask whose last dim has stride 0 (expanded), made dense on a GPU: torch's fused GPU
     attention kernels refuse such a mask and fall back to the math kernel, which computes fp16 attention in
     fp32 (HF BERT on an H200: fp32 bmm, 1.3-1.4x autocast's time). The CPU kernels take any stride: no copy."""
-    if isinstance(mask, torch.Tensor) and mask.device.type != "cpu" and mask.dim() and mask.stride(-1) != 1 \
-            and mask.shape[-1] > 1:
+    if isinstance(mask, torch.Tensor) and mask.device.type != "cpu" and strided_last_dim(mask):
         return mask.contiguous()
     return mask
 
@@ -132,9 +145,7 @@ def amp_frozen_check(copies):
 @graph_leaf
 def amp_frozen_module_call(module: nn.Module, dtype: torch.dtype, copies, *args, **kwargs):
     """amp_module_call with each floating parameter read from `copies` (FrozenWeights): cast once, not per call."""
-    params = {name: copies.read(p, dtype) if p.is_floating_point() and p.dtype != torch.float64 else p
-              for name, p in module.named_parameters()}
-    return torch.func.functional_call(module, params, args, kwargs)
+    return _call_with_low_params(module, lambda p: copies.read(p, dtype), args, kwargs)
 
 
 @graph_leaf

@@ -1,4 +1,4 @@
-"""Cast placement on ONNX: the ValueFlow of a model's main graph (bytes from each value's static shape) for
+"""Cast placement on ONNX: the ValueFlow of a model's main graph (bytes from each value's shape) for
 the IR-neutral placement hook of painting/place_casts.py, the one convert() runs on fx graphs.
 
     decide_onnx_precision(model, rules, low, painted=(OnnxCastPlacement(model, keep_io_types=True),))
@@ -25,8 +25,6 @@ from amp_compiler.passes.painting.place_casts import FP32, LOW, CastPlacement, V
 OUTPUT = "graph output"
 INPUT = "graph input: "   # + the input's name: the flow's key for a value no node produces
 OWN_DTYPE = "own dtype: "   # + the node's name: a value whose dtype an attribute fixes (RandomNormalLike...)
-
-
 SYMBOLIC_DIM = 32   # what a named dim (batch, sequence) counts as: one figure for all, so sizes compare
 
 
