@@ -310,6 +310,7 @@ def test_sparse_gradients_are_unscaled_and_checked(make_scaler):
     scaler.update()
     optimizer.zero_grad()
     before = embedding.weight.detach().clone()
+    scaler.scale(torch.zeros(()))                         # this iteration's scale(); its gradient is planted
     embedding.weight.grad = torch.sparse_coo_tensor([[2]], [[float("inf"), 0.0, 0.0]], (5, 3),
                                                     check_invariants=True)
     assert scaler.step(optimizer) is None and torch.equal(embedding.weight, before)
@@ -322,16 +323,60 @@ def test_misuse_raises_as_gradscaler_does(make_scaler):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler.scale(model(torch.ones(1, 2)).sum()).backward()
     scaler.unscale_(optimizer)
-    with pytest.raises(RuntimeError, match="unscale_"):
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) (has already been|was already) called on this optimizer "
+                                           r"since the last update\(\)"):
         scaler.unscale_(optimizer)                        # twice in one iteration
     scaler.step(optimizer)
     with pytest.raises(RuntimeError, match="unscale_"):
         scaler.unscale_(optimizer)                        # after step()
-    with pytest.raises(RuntimeError, match="step"):
+    with pytest.raises(RuntimeError, match=r"step\(\) (has already been|was already) called .*since the last update\(\)"):
         scaler.step(optimizer)                            # twice in one iteration
     scaler.update()
     with pytest.raises(RuntimeError, match="[Cc]losure"):
         scaler.step(optimizer, closure=lambda: 0.0)
+
+
+@pytest.mark.parametrize("method", ["step", "unscale_"])
+@pytest.mark.parametrize("make_scaler", SCALERS.values(), ids=SCALERS)
+def test_step_or_unscale_before_any_scale_raises_as_gradscaler_does(make_scaler, method):
+    """torch's _check_scale_growth_tracker: 'did not use scaler.scale(loss or outputs) earlier'."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.ones(1, 2)).sum().backward()              # the unscaled backward of a forgotten scale()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises((AssertionError, RuntimeError), match=r"scale\(\)|scaler\.scale"):
+        getattr(make_scaler(), method)(optimizer)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("method", ["step", "unscale_"])
+@pytest.mark.parametrize("make_scaler", [our_grad_scaler, dynamic_manager, fixed_manager])
+def test_step_without_scale_in_a_later_iteration_raises(make_scaler, method):
+    """Beyond GradScaler, which accepts this once scale() ran in any earlier iteration and steps by
+    gradient / scale (an update INIT_SCALE times too small): no scale() since the last update() raises."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = make_scaler()
+    iterate(scaler, model, optimizer, overflow=False)
+    optimizer.zero_grad()
+    model(torch.ones(1, 2)).sum().backward()
+    gradients = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=rf"{method}\(\) was called with no scale\(\) since the last update"):
+        getattr(scaler, method)(optimizer)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), gradients))  # not divided
+    scaler.scale(torch.tensor(0.0))                        # scaling in the iteration makes it legal again
+    getattr(scaler, method)(optimizer)
+
+
+@pytest.mark.parametrize("make_scaler", [our_grad_scaler, dynamic_manager])
+def test_gradients_scaled_before_load_state_dict_are_not_unscaled_with_the_loaded_scale(make_scaler):
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = make_scaler()
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.load_state_dict(make_scaler(init_scale=4.0).state_dict())
+    with pytest.raises(RuntimeError, match="no scale"):
+        scaler.step(optimizer)
 
 
 @pytest.mark.parametrize("make_scaler", SCALERS.values(), ids=SCALERS)

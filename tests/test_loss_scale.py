@@ -193,6 +193,7 @@ def test_fixed_without_drop_applies_the_overflowing_step():
     model, _ = tiny_regression()
     manager = FixedLossScaleManager(4.0, drop_overflow_update=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager.scale(torch.zeros(()))                  # the iteration's scale(); its gradients are planted
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     model[0].weight.grad[0, 0] = float("inf")
@@ -217,6 +218,9 @@ def test_plain_loop_misuse_is_explained():
         manager.scale(3.0)
     half = nn.Linear(2, 2).half()
     half.weight.grad = torch.ones_like(half.weight)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) was called with no scale\(\) since the last update"):
+        manager.unscale_(torch.optim.SGD(half.parameters(), lr=0.1))   # the TypeError above scaled nothing
+    manager.scale(torch.zeros(()))
     with pytest.raises(ValueError, match="float16 gradients"):
         manager.unscale_(torch.optim.SGD(half.parameters(), lr=0.1))
     for p in model.parameters():

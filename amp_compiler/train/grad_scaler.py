@@ -6,10 +6,11 @@
 Everything after that line (scale, unscale_, step, update, get_scale, the growth/backoff getters and
 setters, state_dict, several optimizers, accumulation, clipping) runs unchanged; the object also drives
 build_train_network. A torch GradScaler's state_dict loads as it is. Deliberate differences: the scale
-never drops below 1 (the seeds' rule), more than `bad_step_max` consecutive inf/nan steps raise, fp16
-gradients are refused (keep fp32 master weights), a low-precision loss is scaled in fp32, and `device`
-is only recorded: the scale is a Python float, valid on any device (torch's scaler disables itself
-when CUDA is missing).
+never drops below 1 (the seeds' rule), unscale_()/step() with no scale() since the last update() raise
+(torch's raise only before the first scale()), more than `bad_step_max` consecutive inf/nan steps raise,
+fp16 gradients are refused (keep fp32 master weights), a low-precision loss is scaled in fp32, and
+`device` is only recorded: the scale is a Python float, valid on any device (torch's scaler disables
+itself when CUDA is missing).
 """
 from __future__ import annotations
 

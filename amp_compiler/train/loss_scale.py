@@ -100,6 +100,7 @@ class LossScaleManager(PlainLoopScaling, abc.ABC):
         self.bad_steps.consecutive = int(state["consecutive_bad_steps"])
         self._load_rule_state(state)
         self._optimizer_states = {}
+        self._scaled_since_update = False   # gradients scaled before the load used another scale
 
     @abc.abstractmethod
     def _rule_state(self) -> dict:

@@ -5,10 +5,12 @@
     scaler.step(optimizer)               # optimizer.step() unless its gradients are inf/nan
     scaler.update()                      # the rule, fed with this iteration's overflow; update(new_scale) sets it
 
-Several optimizers may step in one iteration (each skips on its own inf/nan; update() sees them all), and
-gradients may accumulate over micro-batches before step(). With `enabled=False` every method passes
-through, as GradScaler's do. When torch.distributed is initialised, `unscale_` all-reduces the overflow
-flag so every rank skips the same steps.
+An iteration runs from one update() to the next, and unscale_() and step() raise unless scale() ran in
+it: GradScaler refuses a step before its first scale() only, and in any later iteration divides gradients
+that were never scaled by the scale. Several optimizers may step in one iteration (each skips on its own
+inf/nan; update() sees them all), and gradients may accumulate over micro-batches before step(). With
+`enabled=False` every method passes through, as GradScaler's do. When torch.distributed is initialised,
+`unscale_` all-reduces the overflow flag so every rank skips the same steps.
 """
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ import torch.distributed as dist
 class PlainLoopScaling:
     """Mixed into LossScaleManager: needs `_enabled`, `get_loss_scale`, `get_drop_overflow_update`,
     `update_loss_scale`, `set_loss_scale` and `_record_outcome`."""
+    _scaled_since_update = False   # a manager pickled before this flag existed loads with it unset
 
     def __init__(self) -> None:
         # Per optimizer, since the last update(): {"unscaled": bool, "stepped": bool, "found_inf": bool}
         self._optimizer_states: dict[int, dict[str, bool]] = {}
+        self._scaled_since_update = False
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -38,24 +42,30 @@ class PlainLoopScaling:
         low-precision tensor is scaled in fp32 so the product itself cannot overflow."""
         if not self._enabled:
             return outputs
+        scaled = self._scaled(outputs)
+        self._scaled_since_update = True   # only once the outputs were accepted
+        return scaled
+
+    def _scaled(self, outputs):
         if isinstance(outputs, torch.Tensor):
             if outputs.dtype in (torch.float16, torch.bfloat16):
                 outputs = outputs.float()
             return outputs * self.get_loss_scale()
         if isinstance(outputs, Mapping):
-            return type(outputs)({key: self.scale(value) for key, value in outputs.items()})
+            return type(outputs)({key: self._scaled(value) for key, value in outputs.items()})
         if isinstance(outputs, tuple) and hasattr(outputs, "_fields"):   # a namedtuple
-            return type(outputs)(*(self.scale(o) for o in outputs))
+            return type(outputs)(*(self._scaled(o) for o in outputs))
         if isinstance(outputs, (list, tuple)):
-            return type(outputs)(self.scale(o) for o in outputs)
+            return type(outputs)(self._scaled(o) for o in outputs)
         if isinstance(outputs, Iterable) and not isinstance(outputs, (str, bytes)):
-            return map(self.scale, outputs)  # as GradScaler: other iterables come back lazily
+            return map(self._scaled, outputs)  # as GradScaler: other iterables come back lazily
         raise TypeError(f"scale() takes a tensor or a list/tuple/dict of tensors, got {type(outputs).__name__}")
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place and record whether any is inf/nan."""
         if not self._enabled:
             return
+        self._require_scaled_gradients("unscale_")
         state = self._state_of(optimizer)
         if state["unscaled"]:
             raise RuntimeError("unscale_() was already called on this optimizer since the last update(): "
@@ -85,6 +95,7 @@ class PlainLoopScaling:
         if "closure" in kwargs:
             raise RuntimeError("step() with a closure is not supported: the closure would recompute scaled "
                                "gradients after the overflow check")
+        self._require_scaled_gradients("step")
         state = self._state_of(optimizer)
         if state["stepped"]:
             raise RuntimeError("step() was already called on this optimizer since the last update()")
@@ -106,12 +117,21 @@ class PlainLoopScaling:
                                "the last update(): there is no overflow result to update the scale with")
         overflow = any(s["found_inf"] for s in checked.values())
         self._optimizer_states = {}   # a new iteration starts, even if the bad-step limit raises below
+        self._scaled_since_update = False
         if new_scale is None:
             self.update_loss_scale(overflow)
             return
         if checked:
             self._record_outcome(overflow)
         self.set_loss_scale(_scale_value(new_scale))
+
+    def _require_scaled_gradients(self, method: str) -> None:
+        # Unscaling gradients that were never scaled would shrink the update by the scale, silently.
+        if not self._scaled_since_update:
+            raise RuntimeError(
+                f"{method}() was called with no scale() since the last update(): unscaling gradients that were "
+                f"never scaled divides them by the scale ({self.get_loss_scale():g})\n"
+                "call scaler.scale(loss).backward() in each iteration before unscale_()/step(), then update()")
 
     def _state_of(self, optimizer) -> dict[str, bool]:
         if not isinstance(optimizer, torch.optim.Optimizer):
