@@ -16,7 +16,7 @@ from amp_compiler.passes.policy.rules import PrecisionRules
 
 LOW_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-RULE_KEYS = ("allow_ops", "deny_ops", "infer_ops", "clear_ops", "force_fp32", "force_low")
+RULE_KEYS = ("allow_ops", "deny_ops", "infer_ops", "clear_ops", "force_fp32", "force_low", "custom_ops")
 OVERRIDE_KEYS = ("keep_batchnorm_fp32", "cast_model_type", "dtype", "loss_scale_manager", "keep_io_types",
                  "cast_placement", *RULE_KEYS)
 

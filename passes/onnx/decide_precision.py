@@ -27,6 +27,7 @@ from amp_compiler.passes.onnx.spec import (FP16_MAX, input_role, is_float_value,
 from amp_compiler.passes.painting.decide import decide
 from amp_compiler.passes.painting.paint_precision import PAINTABLE
 from amp_compiler.passes.runner import PassResult
+from amp_compiler.passes.policy.names import check_known_names
 from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.node_facts import facts
 
@@ -40,10 +41,9 @@ class OnnxNodes:
         missing = sorted(set(node_block_list) - {n.name for n in self.all})
         if missing:
             raise ValueError(f"node_block_list names {missing}, which are not nodes of this model")
-        unknown = sorted(set(op_block_list) - known_op_types() - {n.op_type for n in self.all})
-        if unknown:
-            raise ValueError(f"op_block_list names {unknown}, which are not ONNX op types (nor op types of this "
-                             "model's custom domains); op types are case-sensitive: Softmax, LayerNormalization")
+        check_known_names("op_block_list", sorted(op_block_list), known_op_types() | {n.op_type for n in self.all},
+                          kind="ONNX op types (nor op types of this model's custom domains)",
+                          hint="op types are case-sensitive: Softmax, LayerNormalization")
         self.op_block_list, self.node_block_list = set(op_block_list), set(node_block_list)
         self.blocked: dict[ir.Node, str] = {}
         self.out_of_range: dict[ir.Node, str] = {}

@@ -54,6 +54,7 @@ def decide(adapter: DecideAdapter, rules: PrecisionRules, painted: Iterable[Pain
                 amp["class"], amp["reason"] = "ignore", reason
                 if family is not None:
                     amp["family"] = family
+    rules.check_op_names(adapter.meta(node).get("op") for node in nodes)   # a typo in deny_ops is an error
     adapter.classified()
     view = nx.DiGraph()
     for node in nodes:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
+from amp_compiler.passes.fx.canonicalize import ALIASES
 from amp_compiler.passes.policy.levels import ALL_MIXED, Level, level_of
+from amp_compiler.passes.policy.names import check_known_names
 from amp_compiler.passes.policy.op_policy import OpRule, policy_for
 
 # Families that keep_batchnorm_fp32 keeps in fp32 (Apex, MindSpore's O2), and that a level may keep fp32.
@@ -48,11 +50,13 @@ class PrecisionRules:
     force_low: tuple[str, ...] = ()
     keep_norm_fp32: bool = True
     matched_patterns: set[str] = field(default_factory=set)
+    # op list entry -> its list, for names neither the table nor custom_ops knows: the graph must call them
+    unlisted_ops: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def build(cls, level: str, low_dtype: str, *, keep_norm_fp32: bool | None = None,
               allow_ops=(), deny_ops=(), infer_ops=(), clear_ops=(),
-              force_fp32=(), force_low=()) -> "PrecisionRules":
+              force_fp32=(), force_low=(), custom_ops=()) -> "PrecisionRules":
         spec = level_of(level)
         if keep_norm_fp32 is None:
             keep_norm_fp32 = spec.keep_norm_fp32
@@ -61,19 +65,24 @@ class PrecisionRules:
             op_class, reason = _level_class(rule, spec, keep_norm_fp32)
             table[op] = (op_class, rule.family, reason)
         user_lists = {"allow": allow_ops, "deny": deny_ops, "infer": infer_ops, "clear": clear_ops}
+        custom = set(_as_tuple(custom_ops, "custom_ops"))
         seen: dict[str, str] = {}
+        unlisted: dict[str, str] = {}
         for op_class, ops in user_lists.items():
-            for op in _as_tuple(ops, f"{op_class}_ops"):
+            for name in _as_tuple(ops, f"{op_class}_ops"):
+                op = ALIASES.get(name, name)   # "truediv" acts on the node canonicalize names "div"
                 if op in seen and seen[op] != op_class:
                     raise ValueError(f"op {op!r} is in both {seen[op]}_ops and {op_class}_ops: pick one")
                 seen[op] = op_class
+                if op not in table and op not in custom:
+                    unlisted[op] = f"{op_class}_ops"
                 family = table[op][1] if op in table else "user"
-                table[op] = (op_class, family, f"user rule: {op} in {op_class}_ops")
+                table[op] = (op_class, family, f"user rule: {name} in {op_class}_ops")
         force_fp32, force_low = _as_tuple(force_fp32, "force_fp32"), _as_tuple(force_low, "force_low")
         both = set(force_fp32) & set(force_low)
         if both:
             raise ValueError(f"pattern(s) {sorted(both)} are in both force_fp32 and force_low: pick one")
-        return cls(level, low_dtype, table, force_fp32, force_low, keep_norm_fp32)
+        return cls(level, low_dtype, table, force_fp32, force_low, keep_norm_fp32, unlisted_ops=unlisted)
 
     def classify(self, op: str) -> tuple[str, str, str]:
         """(class, family, reason); an op the table does not know is denied and reported as unknown."""
@@ -100,6 +109,15 @@ class PrecisionRules:
                              f"force_low patterns {[pat for _, pat in hits]}: make them disjoint")
         precision, pattern = hits[0]
         return precision, f"user rule: force_{precision} {pattern!r}"
+
+    def check_op_names(self, graph_ops) -> None:
+        """An op-list name the table does not know must be an op of this graph (a custom op), or a typo."""
+        graph_ops = set(graph_ops)
+        known = {*self.table, *ALIASES, *graph_ops} - set(self.unlisted_ops) | graph_ops
+        for where in dict.fromkeys(self.unlisted_ops.values()):
+            ops = [op for op, listed in self.unlisted_ops.items() if listed == where]
+            check_known_names(where, ops, known, kind="ops of the policy table or of this graph",
+                              hint=f"a custom op this graph does not call: declare it with custom_ops={ops!r}")
 
     def check_all_patterns_matched(self) -> None:
         unmatched = [p for p in (*self.force_fp32, *self.force_low) if p not in self.matched_patterns]
