@@ -1,6 +1,13 @@
 """convert_onnx's files and inputs (issue 9): atomic writes, ModelProto / onnx_ir.Model sources and returned
 models, one-line errors for unwritable destinations and unknown op types, IR-3 models."""
+import contextlib
 import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
 
 import numpy as np
 import onnx
@@ -55,6 +62,93 @@ def test_a_write_killed_midway_leaves_the_previous_output_whole(tmp_path, monkey
     assert after == before, "the previous output must be untouched and no temporary file left behind"
     monkeypatch.undo()
     assert_valid(str(dst))
+
+
+@contextlib.contextmanager
+def umask(mask):
+    previous = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def write_modes(tmp_path, monkeypatch, how):
+    """Convert (or copy, or write with external data) to a new and to an existing destination; their modes."""
+    src = save(small_model(), tmp_path, "src.onnx")
+    if how == "external":
+        monkeypatch.setattr(files, "EXTERNAL_DATA_THRESHOLD_BYTES", 10)
+        monkeypatch.setattr(files, "EXTERNAL_TENSOR_MIN_BYTES", 16)
+    level = "O0" if how == "copied" else "O1"      # O0 copies the source byte for byte
+    new, existing = tmp_path / "new.onnx", tmp_path / "existing.onnx"
+    existing.write_bytes(b"old")
+    existing.chmod(0o640)
+    for dst in (new, existing):
+        convert_onnx(src, str(dst), level)
+    written = [new, existing] + ([tmp_path / "new.onnx.data"] if how == "external" else [])
+    return [stat.S_IMODE(path.stat().st_mode) for path in written]
+
+
+@pytest.mark.parametrize("how", ["converted", "copied", "external"])
+@pytest.mark.parametrize("mask", [0o022, 0o077], ids=["umask 022", "umask 077"])
+def test_written_files_get_the_mode_open_would_give(tmp_path, monkeypatch, mask, how):
+    """A new file: 0o666 less the umask (a serving process of another user may read it under 0o022); an
+    existing one keeps its mode, as open(path, "w") keeps it."""
+    with umask(mask):
+        modes = write_modes(tmp_path, monkeypatch, how)
+    assert modes[:2] == [0o666 & ~mask, 0o640]
+    assert modes[2:] in ([], [0o666 & ~mask])
+
+
+def staging_name(destination, pid, host=None, kind="tmp"):
+    """A staging name as files.py makes them: .<name>.amp-compiler.<host>.<pid>.<8 hex>.<tmp|staging>."""
+    return f".{destination}.amp-compiler.{host or files._host()}.{pid}.0123abcd.{kind}"
+
+
+def finished_process_id():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_stale_staging_files_for_the_destination_are_removed_by_the_next_write(tmp_path, monkeypatch, external):
+    if external:
+        monkeypatch.setattr(files, "EXTERNAL_DATA_THRESHOLD_BYTES", 10)
+        monkeypatch.setattr(files, "EXTERNAL_TENSOR_MIN_BYTES", 16)
+    src, dead = save(small_model(), tmp_path, "src.onnx"), finished_process_id()
+    long_ago = time.time() - files.STALE_STAGING_SECONDS - 60
+    stale = [tmp_path / staging_name("out.onnx", dead),                      # killed on this host
+             tmp_path / staging_name("out.onnx", os.getpid(), host="elsewhere")]   # another host, untouched
+    stale_folder = tmp_path / staging_name("out.onnx", dead, kind="staging")     # a killed external write
+    kept = [tmp_path / staging_name("out.onnx", os.getpid()),               # a live writer: this process
+            tmp_path / staging_name("out.onnx", dead, host="elsewhere"),    # another host, recent
+            tmp_path / staging_name("other.onnx", dead),                    # another destination
+            tmp_path / f".out.onnx.{dead}.tmp"]                              # not our name
+    for path in stale + kept:
+        path.write_bytes(b"\x08" * 100)
+    stale_folder.mkdir()
+    (stale_folder / "out.onnx.data").write_bytes(b"\x00" * 100)
+    os.utime(stale[1], (long_ago, long_ago))
+    convert_onnx(src, str(tmp_path / "out.onnx"))
+    assert [p.name for p in stale + [stale_folder] if p.exists()] == []
+    assert [p.name for p in kept if not p.exists()] == []
+    assert_valid(str(tmp_path / "out.onnx"))
+
+
+def test_a_killed_write_leaves_its_staging_file_where_the_docstring_says(tmp_path):
+    """What the cleanup must recognise: the name a real killed write leaves (SIGKILL, no finally runs)."""
+    src = save(small_model(), tmp_path, "src.onnx")
+    script = ("import os, signal, sys; from amp_compiler import convert_onnx; from amp_compiler.onnx import files\n"
+              "files.ir.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+              "convert_onnx(sys.argv[1], sys.argv[2])")
+    child = subprocess.Popen([sys.executable, "-c", script, src, str(tmp_path / "out.onnx")])
+    assert child.wait(timeout=300) == -signal.SIGKILL
+    left = [p.name for p in tmp_path.iterdir() if p.name != "src.onnx"]
+    assert len(left) == 1 and re.fullmatch(rf"\.out\.onnx\.amp-compiler\.{files._host()}\.{child.pid}\.[0-9a-f]{{8}}\.tmp",
+                                           left[0]), left
+    convert_onnx(src, str(tmp_path / "out.onnx"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx", "src.onnx"]
 
 
 def test_a_model_proto_in_and_out_without_files(tmp_path):

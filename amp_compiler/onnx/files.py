@@ -5,17 +5,31 @@
     save_onnx_model(model, "o.onnx")  ->  o.onnx, plus o.onnx.data when weights are external or the model
                                           would pass protobuf's 2 GB limit
 
-Writes are atomic: everything is written into a temporary folder beside the destination, then renamed
-over it (the data file first, then the model), so a conversion killed mid-write leaves the previous
-output whole, never a 0-byte or truncated file. A destination that cannot be written (a folder, a
-read-only folder, a path under a file) is an UnwritableDestinationError naming it, raised before any work.
+Writes are atomic: everything is written into a staging file (or, with external data, a staging folder)
+beside the destination, then renamed over it (the data file first, then the model), so a conversion
+killed mid-write leaves the previous output whole, never a 0-byte or truncated file. A destination that
+cannot be written (a folder, a read-only folder, a path under a file) is an UnwritableDestinationError
+naming it, raised before any work.
+
+Permissions are those `open(path, "w")` gives: an existing destination keeps its mode, a new one gets
+0o666 less the umask (and the folder's default ACL), since the staging file is created the same way.
+
+Staging names: `.<destination name>.amp-compiler.<host>.<pid>.<8 hex>.tmp` (a file) or `.staging` (a
+folder), in the destination's folder. A run killed mid-write leaves its staging file there; the next
+write to the same destination removes those that are stale: written on this host by a process that no
+longer exists, or (any host) untouched for STALE_STAGING_SECONDS. A live writer's staging file (another
+process converting to the same path right now) is never removed.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import secrets
 import shutil
-import tempfile
+import socket
+import stat
+import time
 
 import onnx
 import onnx_ir as ir
@@ -25,6 +39,10 @@ from amp_compiler.passes.onnx.spec import is_float_type
 # Protobuf cannot serialise 2 GiB; stay well below so graph and attributes fit beside the weights.
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
 EXTERNAL_TENSOR_MIN_BYTES = 1024   # small tensors stay inline: shapes, scalars, axes
+# A staging file whose writer we cannot see (another host, or a pid reused since) is stale once it has not
+# been written to for this long: a live writer touches it continuously until the rename.
+STALE_STAGING_SECONDS = 24 * 3600
+STAGING_MARK = "amp-compiler"
 
 
 class NotOnnxError(ValueError):
@@ -120,12 +138,16 @@ def save_onnx_model(model: ir.Model, path, *, external_data: bool | None = None,
         return
     # The model names its data file, so both are staged under their final names in a folder of their own.
     folder, data_name = os.path.dirname(os.path.abspath(path)), os.path.basename(path) + ".data"
-    staging = _make_staging(path, tempfile.mkdtemp, prefix=".amp-compiler-", dir=folder)
+    remove_stale_staging(path)
+    staging = _make_staging(path, "staging")
     try:
         staged = os.path.join(staging, os.path.basename(path))
         ir.save(model, staged, external_data=data_name, size_threshold_bytes=EXTERNAL_TENSOR_MIN_BYTES,
                 callback=callback)
-        os.replace(os.path.join(staging, data_name), os.path.join(folder, data_name))
+        data_path = os.path.join(folder, data_name)
+        _keep_existing_mode(os.path.join(staging, data_name), data_path)
+        _keep_existing_mode(staged, path)
+        os.replace(os.path.join(staging, data_name), data_path)
         os.replace(staged, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -142,25 +164,108 @@ def copy_onnx_file(source, path) -> None:
 
 @contextlib.contextmanager
 def _staged_file(path: str):
-    """A temporary file beside `path` (same file system: os.replace is an atomic rename) that becomes
+    """A staging file beside `path` (same file system: os.replace is an atomic rename) that becomes
     `path` when the block ends without error, and is removed when it does not."""
-    handle, staged = _make_staging(path, tempfile.mkstemp, prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                                   dir=os.path.dirname(os.path.abspath(path)))
-    os.close(handle)
+    remove_stale_staging(path)
+    staged = _make_staging(path, "tmp")
     try:
         yield staged
+        _keep_existing_mode(staged, path)
         os.replace(staged, path)
     finally:
         if os.path.exists(staged):
             os.remove(staged)
 
 
-def _make_staging(path: str, make, **where):
+def _make_staging(path: str, kind: str) -> str:
+    """A new staging file (kind "tmp") or folder ("staging") for `path`. The file is created with mode
+    0o666 as open() creates files, so the umask and the folder's default ACL apply to it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while True:
+        name = f"{_staging_prefix(path)}{_host()}.{os.getpid()}.{secrets.token_hex(4)}.{kind}"
+        staged = os.path.join(folder, name)
+        try:
+            if kind == "staging":
+                os.mkdir(staged, 0o700)
+            else:
+                os.close(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return staged
+        except FileExistsError:
+            continue
+        except OSError as error:
+            raise UnwritableDestinationError(f"{path}: cannot write the model there: {error.strerror} "
+                                             f"({folder})") from None
+
+
+def _keep_existing_mode(staged: str, path: str) -> None:
+    # open(path, "w") on an existing file keeps its mode; the rename would replace it with the new file's.
     try:
-        return make(**where)
-    except OSError as error:
-        raise UnwritableDestinationError(f"{path}: cannot write the model there: {error.strerror} "
-                                         f"({where['dir']})") from None
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return
+    os.chmod(staged, mode)
+
+
+def remove_stale_staging(path) -> list[str]:
+    """Remove the staging files and folders a killed write to `path` left beside it (see the module
+    docstring for which count as stale); returns the paths removed. Others' files it cannot remove stay."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    pattern = re.compile(re.escape(_staging_prefix(path)) +
+                         r"(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.(tmp|staging)")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        match = pattern.fullmatch(name)
+        staged = os.path.join(folder, name)
+        if match is None or not _is_stale(staged, match["host"], int(match["pid"])):
+            continue
+        try:
+            if os.path.isdir(staged) and not os.path.islink(staged):
+                shutil.rmtree(staged)
+            else:
+                os.remove(staged)
+        except OSError:
+            continue
+        removed.append(staged)
+    return removed
+
+
+def _staging_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.{STAGING_MARK}."
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+def _is_stale(staged: str, host: str, pid: int) -> bool:
+    if host == _host() and not _process_exists(pid):
+        return True
+    try:
+        entries = [staged, *(os.path.join(staged, n) for n in os.listdir(staged))] if os.path.isdir(staged) \
+            else [staged]
+        last_written = max(os.lstat(entry).st_mtime for entry in entries)
+    except OSError:
+        return False   # removed meanwhile, or not ours to read
+    return time.time() - last_written > STALE_STAGING_SECONDS
+
+
+def _process_exists(pid: int) -> bool:
+    if os.name != "posix":
+        return True   # os.kill(pid, 0) would end the process on Windows: the age rule decides there
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True   # another user's live process
+    except OSError:
+        return True   # cannot tell: keep the file
+    return True
 
 
 def _tensors(model: ir.Model):
