@@ -7,7 +7,8 @@ keep_io_types restores) in ["dtype"] and ["original_dtype"]; after painting it r
 graph will compute in, which is what cast insertion reads. Facts come first from propagation: a node's
 meta["val"] (the fake value torch.export or `propagate_values` recorded); the rules below are only
 for what nothing propagated (no example inputs) and for the painted graph, whose painted nodes compute
-in their precision. Placeholders without a value take fp32. `amp_compiler.verify` checks the result.
+in their precision. Placeholders without a value take the model's float dtype (fp32, or fp64 for a
+model.double()). `amp_compiler.verify` checks the result.
 """
 from __future__ import annotations
 
@@ -100,6 +101,13 @@ def _call_dtype(gm: fx.GraphModule, node: fx.Node, dtypes: dict, low: torch.dtyp
     return _promote([*inputs, _module_param_dtype(gm, node)])
 
 
+def _unknown_input_dtype(gm: fx.GraphModule) -> torch.dtype:
+    """An input nothing tells the dtype of: the model's own float dtype when all its floating parameters and
+    buffers share one (a model.double() is called with float64, which is never cast), else fp32."""
+    floats = {t.dtype for t in (*gm.parameters(), *gm.buffers()) if t.is_floating_point()}
+    return floats.pop() if len(floats) == 1 else torch.float32
+
+
 def infer_dtypes(gm: fx.GraphModule, example_inputs=None, low: torch.dtype = torch.float16) -> PassResult:
     """Write meta["amp"]["dtype"] on every node, in topological order."""
     dtypes: dict[fx.Node, torch.dtype | None] = {}
@@ -114,7 +122,7 @@ def infer_dtypes(gm: fx.GraphModule, example_inputs=None, low: torch.dtype = tor
             elif node in given:
                 dtype = value_dtype(given[node])
             else:
-                dtype = torch.float32 if not node.name.startswith("_") else None
+                dtype = _unknown_input_dtype(gm) if not node.name.startswith("_") else None
         elif node.op == "get_attr":
             value = operator.attrgetter(node.target)(gm)
             dtype = value.dtype if isinstance(value, torch.Tensor) else None
