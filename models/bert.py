@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models import ZooTask, batch_generator
-from models.transformer import TokenAndPositionEmbedding, TransformerBlock
+from . import ZooTask, batch_generator
+from .transformer import TokenAndPositionEmbedding, TransformerBlock
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models import ZooTask
-from models.graphs import IGNORE_INDEX, CitationGraph, FullGraphBatches, synthetic_citation_graph
+from . import ZooTask
+from .graphs import IGNORE_INDEX, CitationGraph, FullGraphBatches, synthetic_citation_graph
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import FIXED_DATA_STEP, ZooTask, batch_generator
-from models.transformer import TokenAndPositionEmbedding, TransformerBlock
+from . import FIXED_DATA_STEP, ZooTask, batch_generator
+from .transformer import TokenAndPositionEmbedding, TransformerBlock
 
 
 @dataclass(frozen=True)

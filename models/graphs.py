@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import networkx as nx
 import torch
 
-from models import FIXED_DATA_STEP, batch_generator
+from . import FIXED_DATA_STEP, batch_generator
 
 IGNORE_INDEX = -100  # target value for nodes outside the training set
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models import FIXED_DATA_STEP, ZooTask, batch_generator
+from . import FIXED_DATA_STEP, ZooTask, batch_generator
 
 
 @dataclass(frozen=True)

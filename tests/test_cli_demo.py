@@ -1,5 +1,13 @@
-"""`amp-compiler demo`: the quick start's main job."""
+"""`amp-compiler demo`: the quick start's main job, from the repository and from an installed package."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 from amp_compiler.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_converts_reports_compares_and_trains(capsys, tmp_path):
@@ -17,3 +25,26 @@ def test_demo_unknown_model_is_a_clear_error(capsys):
     assert main(["demo", "--model", "nope", "--steps", "0"]) == 2
     err = capsys.readouterr().err
     assert "unknown model 'nope'" in err and "mlp" in err
+
+
+def test_the_installed_command_runs_the_demo_from_any_folder(tmp_path):
+    """`pip install`, then the demo in a folder of the user's: the package built from a copy of the
+    sources and installed into a folder of its own, run with the repository nowhere on sys.path."""
+    source, site, work = tmp_path / "source", tmp_path / "site", tmp_path / "work"
+    for folder in ("amp_compiler", "passes", "models"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--no-build-isolation",
+                    "--target", str(site), str(source)], check=True, capture_output=True, timeout=300)
+    work.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(site)}
+    code = ("import sys, amp_compiler\n"
+            f"assert amp_compiler.__file__.startswith({str(site)!r}), amp_compiler.__file__\n"
+            "from amp_compiler.cli import main\n"
+            "assert main(['demo', '--model', 'mlp', '--steps', '2', '--html', 'graph.html']) == 0\n"
+            f"assert {str(ROOT)!r} not in sys.path and 'models' not in sys.modules\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "casts inserted:" in run.stdout and run.stdout.count("loss scale") == 2
+    assert (work / "graph.html").stat().st_size > 10_000

@@ -88,7 +88,8 @@ def test_pyproject_lists_every_package_folder():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "amp_compiler").rglob("__init__.py")}
-    folders |= {".".join(("amp_compiler", *p.parent.relative_to(ROOT).parts))
-                for p in (ROOT / "passes").rglob("__init__.py")}
+    for top_level in ("passes", "models"):     # repository folders installed inside amp_compiler
+        folders |= {".".join(("amp_compiler", *p.parent.relative_to(ROOT).parts))
+                    for p in (ROOT / top_level).rglob("__init__.py")}
     assert listed == folders
-    assert config["package-dir"] == {"amp_compiler.passes": "passes"}
+    assert config["package-dir"] == {"amp_compiler.passes": "passes", "amp_compiler.models": "models"}

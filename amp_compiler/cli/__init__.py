@@ -15,23 +15,11 @@ from pathlib import Path
 import torch
 
 
-def _import_zoo():
-    """The model zoo lives in the repository (models/), not in the installed package."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        if (root / "models" / "__init__.py").exists():
-            if str(root) not in sys.path:
-                sys.path.insert(0, str(root))
-            import models
-            return models
-    raise SystemExit("amp-compiler demo needs the model zoo: run it from the amp-compiler repository "
-                     "(the folder that holds models/)")
-
-
 def run_demo(args) -> int:
     import amp_compiler
+    import amp_compiler.models as zoo   # the repository's models/, installed with the package: runs anywhere
     from amp_compiler.train.network import demo_training
 
-    zoo = _import_zoo()
     task = zoo.build(args.model, size="small", seed=0)
     dtype = amp_compiler.config.resolve_dtype(args.dtype)
     print(f"== convert {args.model} at O1, {args.dtype} ==", flush=True)
@@ -40,7 +28,7 @@ def run_demo(args) -> int:
     print("\n".join(report.summary_lines()))
     html = amp_compiler.render(gm, args.html or Path(tempfile.gettempdir()) / f"amp-compiler-demo-{args.model}.html")
     print(f"graph and rules of all {report.totals['rows']} nodes: {html.resolve()} (open it in a browser; "
-          f"`amp-compiler explain models:build --kwarg name={args.model} --table` prints them)")
+          f"`amp-compiler explain amp_compiler.models:build --kwarg name={args.model} --table` prints them)")
     task.model.eval()
     gm.eval()
     with torch.no_grad():
