@@ -5,6 +5,8 @@ originals), so train()/eval(), added submodules or hooks on the result never rea
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -19,14 +21,19 @@ def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, list[str]]:
     return model, []
 
 
+_PLAIN_CONTAINERS = (dict, OrderedDict, set)
+
+
 def share_module_tree(module: nn.Module) -> nn.Module:
     """A copy of the module tree whose parameters and buffers are the original's tensors."""
     # object.__new__ rather than copy.copy: parametrized modules (weight_norm, spectral_norm) refuse
     # __getstate__, and the copy needs nothing but the instance dict.
     clone = object.__new__(type(module))
     # Containers (parameter/buffer/hook dicts, the non-persistent buffer set) are copied so nothing done
-    # to the clone reaches the user's module; the tensors inside are shared.
-    clone.__dict__.update({name: value.copy() if isinstance(value, (dict, set)) else value
+    # to the clone reaches the user's module; the tensors inside are shared. Only plain containers: a
+    # subclass's .copy() can lose what its class keeps beside the items (diffusers' FrozenDict config
+    # answers `config.center_input_sample` from attributes its copy lacks), so it is shared like any value.
+    clone.__dict__.update({name: value.copy() if type(value) in _PLAIN_CONTAINERS else value
                            for name, value in module.__dict__.items()})
     clone._modules = {name: share_module_tree(child) if child is not None else None
                       for name, child in module._modules.items()}
