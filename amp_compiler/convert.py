@@ -19,7 +19,8 @@ from amp_compiler.frozen import freeze as freeze_weights
 from amp_compiler.frontend import TracingError, trace
 from amp_compiler.passes.fx.calibrate_ranges import record_ranges
 from amp_compiler.passes.fx.canonicalize import canonicalize
-from amp_compiler.passes.fx.constant_range import warn_constants_beyond_fp16
+from amp_compiler.passes.fx.constant_range import (constants_beyond_range, magnitude_carriers,
+                                                   warn_constants_beyond_fp16)
 from amp_compiler.passes.fx.cast_after_layout_ops import cast_after_layout_ops
 from amp_compiler.passes.fx.decide_precision import decide_fx_precision
 from amp_compiler.passes.fx.fold_casts import count_casts, fold_casts
@@ -32,6 +33,7 @@ from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
 from amp_compiler.passes.fx.place_casts import FxCastPlacement
 from amp_compiler.passes.fx.propagate_values import propagate_values
 from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks
+from amp_compiler.passes.painting.keep_constants_fp32 import keep_constant_paths_fp32
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline
 from amp_compiler.saved_decisions import preserve_decisions
 from amp_compiler.passes.node_facts import facts
@@ -104,7 +106,9 @@ def _paints(state: FxState) -> bool:
 
 def _decide(state: FxState) -> PassResult:
     rules = state.config.precision_rules()
-    hooks = calibrated_hooks(state.gm.graph.nodes, state.low)   # calibrated: the ranges decide too
+    constants = keep_constant_paths_fp32(constants_beyond_range(state.gm, state.low),   # -3.4e38 fills stay fp32
+                                         magnitude_carriers(state.gm, state.low), rules.low_dtype)
+    hooks = (constants, *calibrated_hooks(state.gm.graph.nodes, state.low))   # calibrated: the ranges decide too
     placement = FxCastPlacement(state.gm, rules, state.config.keep_io_types) if state.config.cast_placement else None
     result = decide_fx_precision(state.gm, rules, painted=(*hooks, placement) if placement else hooks)
     if placement is not None:   # after calibration: casts move around the precisions the ranges allow

@@ -24,6 +24,7 @@ NodeFacts = TypedDict("NodeFacts", {
     "forced": str,            # decide_precision (onnx): which user rule forced the node
     "fp32_weights": bool,     # decide_precision (fx): a low op that keeps fp32 weights (mixed-kernel norms)
     "range": dict,            # calibrate_ranges (fx): samples, max_abs, overflows, read_max, read_from, below_normal
+    "hooks": list,            # front end (fx): the user hooks on the module a call_module node calls; it stays a call
     "warning": str,           # warn_constants_beyond_fp16 (fx): a constant beyond fp16 that reaches a float16 op
 }, total=False)
 

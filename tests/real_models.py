@@ -13,6 +13,7 @@ on the CPU build: the missing ``torchvision::nms`` schemas are defined there, wi
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -225,6 +226,13 @@ def _distilbert() -> nn.Module:
                hidden_dim=64, max_position_embeddings=64)
 
 
+def _deberta_v2() -> nn.Module:
+    """Relative-position attention (c2p and p2c); masks with finfo(float32).min, which bf16 cannot hold."""
+    return _hf("DebertaV2Model", "DebertaV2Config", "eager", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+               num_attention_heads=4, intermediate_size=128, max_position_embeddings=64, relative_attention=True,
+               position_buckets=16, pos_att_type=["p2c", "c2p"])
+
+
 def _vit_hf() -> nn.Module:
     return _hf("ViTForImageClassification", "ViTConfig", "sdpa", image_size=IMAGE, patch_size=8, hidden_size=32,
                num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=10)
@@ -399,6 +407,27 @@ class SelfAttentionBlock(nn.Module):
         return self.head(self.norm(h + attended))
 
 
+class FinfoMaskedAttention(nn.Module):
+    """Hand-written attention over a query x key padding mask filled with torch.finfo(torch.float32).min
+    (beyond bf16's and fp16's range): padded queries get fully masked rows, a uniform average in fp32 (NaN
+    where the fill became -inf)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.qkv = nn.Linear(32, 96)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, tokens, mask):
+        h = self.embed(tokens)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        keep = mask.bool()
+        pairs = keep.unsqueeze(1) & keep.unsqueeze(2)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~pairs, torch.finfo(torch.float32).min)
+        return self.head(self.norm(h + torch.softmax(scores, -1) @ v))
+
+
 # ---------------------------------------------------------------------------------------- training data
 def _class_label(classes: int) -> Callable[[int], torch.Tensor]:
     return lambda size: torch.randint(classes, (size,), generator=_generator(size, salt=7))
@@ -441,6 +470,7 @@ _ALL = [
     RealModel("hf_vit", "transformers", _vit_hf, image_inputs, logits),
     RealModel("hf_whisper", "transformers", _whisper, whisper_inputs, last_hidden_state),
     RealModel("hf_wav2vec2", "transformers", _wav2vec2, audio_inputs, logits),
+    RealModel("hf_deberta_v2", "transformers", _deberta_v2, text_inputs, last_hidden_state),
     # torchvision
     RealModel("tv_resnet18", "torchvision", _resnet, image_inputs, tensor, sizes=(4, 3),
               loss_fn=_cross_entropy, make_label=_class_label(10)),
@@ -467,6 +497,7 @@ _ALL = [
     RealModel("nn_gru", "torch.nn", GRUTagger, sequence_inputs, tensor),
     RealModel("nn_transformer_encoder", "torch.nn", TokenTransformerEncoder, lambda s: (_tokens(s),), tensor),
     RealModel("nn_multihead_attention", "torch.nn", SelfAttentionBlock, attention_inputs, tensor),
+    RealModel("nn_finfo_masked_attention", "torch.nn", FinfoMaskedAttention, text_inputs, tensor),
 ]
 REAL_MODELS: dict[str, RealModel] = {spec.name: spec for spec in _ALL}
 REAL_MODEL_NAMES = tuple(REAL_MODELS)

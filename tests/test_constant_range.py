@@ -1,5 +1,7 @@
-"""A constant fp16 cannot hold (masked_fill(-1e9), a -1e9 added to scores) that reaches a float16 op:
-the conversion warns, explain() says so, compare() finds the node that turns it into inf/NaN."""
+"""A constant fp16 cannot hold (masked_fill(-1e9), a -1e9 added to scores): the conversion keeps the path
+of its value fp32 up to the first reader that no longer carries it (tests/test_constants_beyond_range.py);
+where the user forces a reader low anyway, it warns, explain() says so, compare() finds the node that turns
+it into inf/NaN."""
 import re
 import warnings
 
@@ -38,10 +40,10 @@ def inputs():
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])
-def test_masked_fill_minus_1e9_into_a_float16_softmax_warns_and_compare_finds_the_nan(level):
+def test_a_float16_softmax_forced_low_after_masked_fill_minus_1e9_warns_and_compare_finds_the_nan(level):
     model, (x, mask) = MaskedAttention(), inputs()
     with pytest.warns(FP16RangeWarning) as caught:
-        gm = convert(model, level, example_inputs=(x, mask))
+        gm = convert(model, level, example_inputs=(x, mask), force_low=["softmax"])
     assert len(caught) == 1
     message = str(caught[0].message)
     assert re.match(r"masked_fill reads the constant -1e\+09, beyond fp16's 65504 .*reaches softmax \(softmax\) "
@@ -53,10 +55,10 @@ def test_masked_fill_minus_1e9_into_a_float16_softmax_warns_and_compare_finds_th
     report = compare(model, gm, (x, mask))
     assert not report.passed and report.outputs[0].non_finite > 0
     assert report.first_failure.node == "masked_fill_float16" and report.first_failure.non_finite > 0
-    # the remedy the warning names works: no warning, no NaN
+    # without the user's force_low the softmax stays fp32: no warning, no NaN
     with warnings.catch_warnings():
         warnings.simplefilter("error", FP16RangeWarning)
-        fixed = convert(model, level, example_inputs=(x, mask), force_fp32=["softmax"])
+        fixed = convert(model, level, example_inputs=(x, mask))
     assert compare(model, fixed, (x, mask)).passed
 
 
@@ -74,14 +76,15 @@ def test_a_minus_1e9_added_to_the_scores_is_followed_to_its_float16_reader():
     model, (x, mask) = AddedMask(), inputs()
     keep = (~mask).float()
     with pytest.warns(FP16RangeWarning, match=r"^mul reads the constant -1e\+09.*reaches add \(add\) in float16"):
-        gm = convert(model, "O2", example_inputs=(x, keep))
+        gm = convert(model, "O2", example_inputs=(x, keep), force_low=["add"])
     assert not compare(model, gm, (x, keep)).passed
     with warnings.catch_warnings():
         warnings.simplefilter("error", FP16RangeWarning)
         convert(model, "O1", example_inputs=(x, keep))        # add and softmax stay fp32 at O1
+        assert compare(model, convert(model, "O2", example_inputs=(x, keep)), (x, keep)).passed
 
 
 def test_a_tensor_constant_beyond_fp16_warns():
     model, (x, _) = BufferMask(), inputs()
     with pytest.warns(FP16RangeWarning, match=r"^the tensor constant bias holds -1e\+09.*reaches add"):
-        convert(model, "O2", example_inputs=(x,))
+        convert(model, "O2", example_inputs=(x,), force_low=["add"])

@@ -17,8 +17,11 @@ from torch import nn
 from amp_compiler.frontend.errors import TracingError, user_frame
 from amp_compiler.frontend.export_capture import export_failure, export_graph
 from amp_compiler.frontend.integrations import prepare_for_export
-from amp_compiler.frontend.fx_capture import AmpTracer, optional_arguments, restore_output_type
+from amp_compiler.frontend.fx_capture import AmpTracer, is_leaf_module, optional_arguments, restore_output_type
+from amp_compiler.frontend.hooks import hook_kinds, hooked_modules, move_root_hooks, user_hooks_silenced
 from amp_compiler.frontend.module_tree import graph_module_on, share_module_tree, unwrap_compiled
+from amp_compiler.frontend.training_reads import read_flags, training_reads_recorded
+from amp_compiler.passes.node_facts import facts
 
 __all__ = ["TracedModel", "TracingError", "trace", "share_module_tree"]
 
@@ -30,6 +33,8 @@ class TracedModel:
     leaves: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     opaque: dict[str, str] = field(default_factory=dict)   # what runs as written, and why
+    hooked: dict[str, list[str]] = field(default_factory=dict)        # module path -> its user hooks
+    training_reads: dict[str, bool] = field(default_factory=dict)     # module path -> `training` it read
 
 
 def trace(model: nn.Module, example_inputs=None, dynamic_shapes=None) -> TracedModel:
@@ -44,10 +49,13 @@ def trace(model: nn.Module, example_inputs=None, dynamic_shapes=None) -> TracedM
     tracer = AmpTracer()
     concrete = optional_arguments(root, example_inputs)
     try:
-        graph = tracer.trace(root, concrete_args=concrete or None)
+        with training_reads_recorded(root, skip=is_leaf_module) as reads:   # leaves follow train()/eval()
+            tracer.training_reads = reads
+            graph = tracer.trace(root, concrete_args=concrete or None)
     except Exception as fx_error:  # noqa: BLE001 - any fx failure means: try the next front end
         return _export_fallback(model, example_inputs, dynamic_shapes, fx_error, notes)
-    untraceable = {k: v for k, v in tracer.opaque.items() if "autograd.Function" not in v}
+    untraceable = {k: v for k, v in tracer.opaque.items()
+                   if "autograd.Function" not in v and k not in tracer.kept_for_hooks}
     if untraceable and example_inputs is not None:
         try:  # torch.export may capture what fx could not: then nothing runs opaque
             return _export(model, example_inputs, dynamic_shapes,
@@ -59,19 +67,31 @@ def trace(model: nn.Module, example_inputs=None, dynamic_shapes=None) -> TracedM
         # (the plain symbolic_trace GraphModule fails the same way); they change nothing at run time.
         if node.op in ("placeholder", "output"):
             node.type = None
+        if node.op == "call_module" and hook_kinds(root.get_submodule(node.target)):
+            facts(node)["hooks"] = hook_kinds(root.get_submodule(node.target))   # never lowered: they fire
     restore_output_type(graph, tracer.output_spec)
     gm = graph_module_on(root, graph, type(model).__name__ + "Amp")
+    move_root_hooks(root, gm)
     leaves = sorted({n.target for n in graph.nodes if n.op == "call_module"})
     notes += [f"traced with {name}={value!r}; calls that pass another value raise (give it in example_inputs "
               "to trace it as an input)" for name, value in concrete.items()]
     notes += [f"opaque, runs as written: {where}: {why}" for where, why in tracer.opaque.items()]
-    return TracedModel(gm, "fx.symbolic_trace", leaves, notes, dict(tracer.opaque))
+    return TracedModel(gm, "fx.symbolic_trace", leaves, notes, dict(tracer.opaque), hooked_modules(root),
+                       read_flags(root, tracer.training_reads))
+
+
+def _follows_mode_when_exported(module: nn.Module) -> bool:
+    # export_capture makes their baked train flags follow train()/eval()
+    return isinstance(module, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm))
 
 
 def _export(model, example_inputs, dynamic_shapes, notes) -> TracedModel:
     notes = notes + prepare_for_export(model)
-    gm, export_notes = export_graph(model, share_module_tree(model), example_inputs, dynamic_shapes)
-    return TracedModel(gm, "torch.export", [], notes + export_notes)
+    root = share_module_tree(model)
+    with training_reads_recorded(root, skip=_follows_mode_when_exported) as reads, user_hooks_silenced():
+        gm, export_notes = export_graph(model, root, example_inputs, dynamic_shapes)
+    return TracedModel(gm, "torch.export", [], notes + export_notes, hooked=hooked_modules(root),
+                       training_reads=read_flags(root, reads))
 
 
 def _export_fallback(model, example_inputs, dynamic_shapes, fx_error, notes) -> TracedModel:

@@ -4,6 +4,7 @@
     function wrapped with torch.fx.wrap           -> traced into; opaque when that fails     (reported)
     custom torch.autograd.Function                -> amp_opaque_call(Fn.apply, ...): its own backward
     forward() returning an OrderedDict / namedtuple / ModelOutput -> the same type comes back
+    submodule with a user hook (not a leaf)   -> amp_opaque_call(self.<path>, ...): its hooks fire (hooks.py)
 
 Leaves are only modules whose precision is decided as one unit (Linear, ConvNd, norms, Embedding, RNNs,
 Dropout), and only while they run their class's own forward: a subclass with its own forward
@@ -23,6 +24,7 @@ from torch import nn
 
 from amp_compiler.frontend.errors import user_frame
 from amp_compiler.frontend.function_apply import intercepted_function_apply
+from amp_compiler.frontend.hooks import hook_kinds, user_hooks_silenced
 from amp_compiler.passes.fx.canonicalize import LEAF_MODULE_TYPES
 from amp_compiler.passes.fx.opaque_calls import AS_WRITTEN
 from amp_compiler.passes.fx.runtime import amp_opaque_call
@@ -44,6 +46,8 @@ class AmpTracer(fx.Tracer):
     def __init__(self):
         super().__init__()
         self.opaque: dict[str, str] = {}   # where -> why, for the report
+        self.kept_for_hooks: set[str] = set()   # opaque only so that the user's hooks on them fire
+        self.training_reads: list = []    # (module, flag): filled by training_reads_recorded around trace()
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return is_leaf_module(m)
@@ -60,13 +64,19 @@ class AmpTracer(fx.Tracer):
     def trace(self, root, concrete_args=None):
         self._root_module = root
         self.output_spec = None
-        with _functions_traced_into(self), _autograd_functions_kept(self), _checkpoints_kept(self):
+        # Global hooks would run on proxies inside every module traced into: they fire on calls instead.
+        with _functions_traced_into(self), _autograd_functions_kept(self), _checkpoints_kept(self), \
+                user_hooks_silenced():
             return super().trace(root, concrete_args)
 
     def call_module(self, m, forward, args, kwargs):
         if self.is_leaf_module(m, ""):
             return super().call_module(m, forward, args, kwargs)
         path = self.path_of_module(m)
+        if path and hook_kinds(m):   # traced into, its hooks would run once, on proxies
+            self.kept_for_hooks.add(path)
+            why = f"has a user {' and '.join(hook_kinds(m))}: kept as one call so it fires"
+            return self.opaque_call(path, path, why, args, kwargs)
         return self._try_or_opaque(lambda: super(AmpTracer, self).call_module(m, forward, args, kwargs),
                                    path, path, args, kwargs)
 
@@ -88,10 +98,12 @@ class AmpTracer(fx.Tracer):
 
     def _try_or_opaque(self, attempt, callee, where: str, args, kwargs):
         last = self.graph._root.prev  # the newest node: everything after it belongs to this attempt
+        reads = len(self.training_reads)
         try:
             return attempt()
         except Exception as error:  # noqa: BLE001 - any failure inside means: run this part as written
             _erase_after(self.graph, last)
+            del self.training_reads[reads:]   # it runs as written: it follows train()/eval() itself
             why = f"torch.fx cannot trace it: {type(error).__name__}: {str(error).splitlines()[0][:120]}" \
                   f"{user_frame(error)}"
             return self.opaque_call(callee, where, why, args, kwargs)

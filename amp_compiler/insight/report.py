@@ -25,6 +25,8 @@ import torch.fx as fx
 
 from amp_compiler.insight.graph_decisions import (computed_dtype, fp32_islands, graph_summary, is_cast, is_shown,
                                           module_of, precision_of)
+from amp_compiler.frontend.hooks import hook_lines
+from amp_compiler.frontend.training_reads import training_lines
 from amp_compiler.insight.report_text import WIDTH, module_table, summarise_paths, wrapped
 from amp_compiler.passes.node_facts import facts
 
@@ -57,6 +59,7 @@ class PrecisionReport:
         if s.get("leaf_modules"):
             lines += _leaf_lines(s["leaf_modules"])
         lines += [f"opaque: {where or '(whole model)'}: {why}" for where, why in s.get("opaque", {}).items()]
+        lines += hook_lines(s.get("hooks", {})) + training_lines(s.get("training_reads", {}))
         opaque = list(s.get("opaque", {}).values())
         for note in s.get("notes", []):
             if not any(why in note for why in opaque):      # the opaque line above already says it

@@ -1,15 +1,17 @@
-"""Warn when a constant fp16 cannot hold reaches a float16 op (dtype float16, at any level).
+"""Constants beyond the low dtype's range: where they are (for the decide step's hook that keeps their
+paths fp32, painting/keep_constants_fp32.py), and a warning where a float16 op reads one anyway.
 
-    scores.masked_fill(mask, -1e9) [fp32: reads -1e9] -> softmax [float16 at O2]
+    scores.masked_fill(mask, -1e9) [fp32: reads -1e9] -> softmax [forced low by the user at O2]
     FP16RangeWarning: masked_fill reads the constant -1e+09, beyond fp16's 65504 (it runs fp32); its
     value reaches softmax in float16, where the cast makes it -inf ...
 
-decide_precision keeps a node that reads such a constant fp32, but its value can still reach a float16
-reader through a cast (softmax is low at O2/O3): -1e9 becomes -inf there, and a fully masked row NaN.
-The value is followed through fp32 infer/clear nodes (pointwise ops and data movement keep its
-magnitude) to the first low readers; a deny node (softmax, a norm, a reduction) ends the path. Tensor
-constants (get_attr) count too. Writes facts(node)["warning"] on the node that reads the constant;
-explain()'s summary lists it.
+`constants_beyond_range` finds, before decide_precision, the nodes that hold or read such a constant (a
+Python number argument, a tensor constant); `magnitude_carriers` the nodes whose op keeps its magnitude
+(infer/clear in the policy table). The hook keeps their value's path fp32 at every level, so a float16
+reader is left only where the user forced one low: -1e9 becomes -inf there, and a fully masked row NaN.
+The value is followed through fp32 infer/clear nodes to the first low readers; a deny node (softmax, a
+norm, a reduction) ends the path. Tensor constants (get_attr) count too. Writes facts(node)["warning"] on
+the node that reads the constant; explain()'s summary lists it.
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.fx.decide_precision import FP16_MAX, _out_of_fp16_range
+from amp_compiler.passes.fx.decide_precision import FP16_MAX, constant_beyond
+from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.op_policy import policy_for
 from amp_compiler.passes.runner import PassResult
 
 KEEP_MAGNITUDE = ("infer", "clear")   # classes whose fp32 output carries an input's magnitude on
@@ -57,7 +61,36 @@ def _callers_level() -> int:
     return level
 
 
+def constants_beyond_range(gm: fx.GraphModule, low_dtype: torch.dtype) -> dict[str, tuple[str, list[str]]]:
+    """Before decide_precision: every node that holds or reads a constant beyond the low dtype's largest
+    number, as painting/keep_constants_fp32.py takes it: name -> (what it holds, its readers' names)."""
+    limit, sources = torch.finfo(low_dtype).max, {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" or (node.op in ("call_function", "call_method", "call_module")
+                                     and (is_float(facts(node).get("dtype")) or
+                                          any(is_float(facts(a).get("dtype")) for a in node.all_input_nodes))):
+            value = _constant_beyond(gm, node, limit)
+            if value is not None:
+                what = (f"the tensor constant {node.target}, which holds {value:g}" if node.op == "get_attr"
+                        else f"the constant {value:g}")
+                sources[node.name] = (what, [user.name for user in node.users])
+    return sources
+
+
+def magnitude_carriers(gm: fx.GraphModule, low_dtype: torch.dtype) -> set[str]:
+    """Nodes whose op the policy table calls infer or clear: their output carries an input's magnitude on."""
+    table = policy_for(str(low_dtype).removeprefix("torch."))
+    return {node.name for node in gm.graph.nodes
+            if getattr(table.get(facts(node).get("op")), "op_class", None) in KEEP_MAGNITUDE}
+
+
 def _constant_beyond_fp16(gm: fx.GraphModule, node: fx.Node) -> float | None:
+    if node.op in ("call_function", "call_method", "call_module") and facts(node).get("precision") is None:
+        return None
+    return _constant_beyond(gm, node, FP16_MAX)
+
+
+def _constant_beyond(gm: fx.GraphModule, node: fx.Node, limit: float) -> float | None:
     if node.op == "get_attr":
         tensor = reduce(getattr, node.target.split("."), gm)
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.numel() == 0:
@@ -69,9 +102,9 @@ def _constant_beyond_fp16(gm: fx.GraphModule, node: fx.Node) -> float | None:
                 return None
             low, high = finite.min().item(), finite.max().item()
         value = low if -low > high else high
-        return value if abs(value) > FP16_MAX else None
-    if node.op in ("call_function", "call_method", "call_module") and facts(node).get("precision") is not None:
-        return _out_of_fp16_range(node)
+        return value if abs(value) > limit else None
+    if node.op in ("call_function", "call_method", "call_module"):
+        return constant_beyond(node, limit)
     return None
 
 

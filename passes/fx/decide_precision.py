@@ -8,11 +8,13 @@ never cast (integers, bools, fp64, shapes). Reads meta["amp"]["op"] (canonicaliz
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from amp_compiler.passes.fx.insert_casts import written_views
-from amp_compiler.passes.fx.runtime import is_float
+from amp_compiler.passes.fx.runtime import dtype_name, is_float
 from amp_compiler.passes.painting.decide import decide
+from amp_compiler.passes.painting.keep_constants_fp32 import beyond_rule
 from amp_compiler.passes.painting.paint_precision import PAINTABLE
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.policy.op_policy import POLICY
@@ -39,19 +41,25 @@ def _computes_on_floats(node: fx.Node) -> bool:
 FP16_MAX = 65504.0
 
 
-def _out_of_fp16_range(node: fx.Node) -> float | None:
-    """A Python number argument fp16 cannot hold (masked_fill(-1e9), x * 1e5), else None. Integer
-    arguments of data-movement ops are sizes and dims, not values."""
+def constant_beyond(node: fx.Node, limit: float) -> float | None:
+    """A Python number argument beyond `limit` (masked_fill(-1e9) past fp16's 65504, finfo(float32).min past
+    bf16's 3.39e38), else None. Integer arguments of data-movement ops are sizes and dims, not values."""
+    family = facts(node).get("family") or getattr(POLICY.get(facts(node).get("op")), "family", None)
     leaves: list = []
     fx.node.map_aggregate((node.args, node.kwargs), leaves.append)
     for value in leaves:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if isinstance(value, int) and facts(node).get("family") == "shape":
+        if isinstance(value, int) and family == "shape":
             continue
-        if abs(value) > FP16_MAX and abs(value) != float("inf"):
+        if abs(value) > limit and abs(value) != float("inf"):
             return value
     return None
+
+
+def low_limit(low_dtype: str) -> float:
+    """The low dtype's largest finite number: 65504 for float16, 3.39e38 for bfloat16."""
+    return torch.finfo(getattr(torch, low_dtype)).max
 
 
 class FxNodes:
@@ -97,9 +105,15 @@ class FxNodes:
     def forced(self, node: fx.Node, rules: PrecisionRules) -> tuple[str, str] | None:
         amp = facts(node)
         forced = rules.forced(amp["module"], node.name)
-        big = _out_of_fp16_range(node) if rules.low_dtype == "float16" and forced is None else None
+        if forced is not None and forced[0] == "fp32":
+            return forced
+        if not any(is_float(facts(a).get("dtype")) for a in node.all_input_nodes) and node.op != "call_module":
+            # int64 / 8, ints * 0.5: type promotion computes the default float dtype; no cast reaches it
+            return ("fp32", f"{amp['class']}: integer operands only: computes {dtype_name(amp.get('dtype'))} "
+                            "by type promotion, whatever the level")
+        big = constant_beyond(node, low_limit(rules.low_dtype)) if forced is None else None
         if big is not None:
-            forced = ("fp32", f"{amp['class']}: reads the constant {big:g}, beyond fp16's 65504: kept fp32")
+            forced = ("fp32", beyond_rule(amp["class"], f"the constant {big:g}", rules.low_dtype))
         return forced
 
     def edges(self):

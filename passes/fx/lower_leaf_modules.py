@@ -7,6 +7,8 @@
 The parameters are read with get_attr, so insert_casts casts them where they are read, once per
 forward, and the fp32 parameters stay the masters. Norm modules keep calling the module: PyTorch's norm
 kernels take low-precision input with fp32 weights and keep fp32 statistics. Only nodes painted "low" change.
+A module with a user hook (front end: facts "hooks") stays a call to the module, through amp_module_call, so
+its hooks fire with the module's inputs and outputs.
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ def lower_leaf_modules(gm: fx.GraphModule, low: torch.dtype) -> PassResult:
         module = gm.get_submodule(node.target)
         if isinstance(module, MIXED_KERNEL_MODULES) or not any(True for _ in module.parameters()):
             continue
-        functional = _functional_call(module, node)
+        functional = None if facts(node).get("hooks") else _functional_call(module, node)
         with graph.inserting_before(node):
             if functional is not None:
                 fn, extra = functional

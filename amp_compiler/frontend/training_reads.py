@@ -1,0 +1,150 @@
+"""`self.training` read while capturing: the converted module captures each mode it is called in.
+
+fx and torch.export run every traced module's forward once, in the mode the model is in, so a Python
+`if self.training:` or `F.dropout(x, p, training=self.training)` is decided at capture. While capturing,
+each traced module answers `training` through a recording property (leaves kept as calls follow
+train()/eval() themselves and are not recorded). A converted module that read a flag checks, on every
+call, that its modules still have the flags it read; when they do not, it converts the model again with
+the flags it has now, keeps both graphs and switches between them (gm.graph, gm.code and explain() show
+the graph of the current mode).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from amp_compiler.frontend.module_tree import share_module_tree, unwrap_compiled
+from amp_compiler.saved_decisions import SAVED_ATTRIBUTE
+
+READS = "_amp_training_reads"   # {module path: the training flag it read at capture}
+
+
+@contextlib.contextmanager
+def training_reads_recorded(root: nn.Module, skip: Callable[[nn.Module], bool]) -> Iterator[list]:
+    """Yields the list of (module, flag) reads of `training` made by root's modules (but `skip`'s)."""
+    reads: list = []
+    classes: dict[type, type] = {}
+    swapped = []
+    for module in root.modules():
+        if skip(module) or isinstance(module, torch.jit.ScriptModule):
+            continue
+        cls = type(module)
+        try:
+            if cls not in classes:
+                classes[cls] = _recording_class(cls, reads)
+            module.__class__ = classes[cls]
+        except TypeError:   # a class that cannot be subclassed or swapped: its reads go unrecorded
+            continue
+        swapped.append((module, cls))
+    try:
+        yield reads
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+
+
+def _recording_class(cls: type, reads: list) -> type:
+    # A data descriptor on the class wins over the instance's own `training` entry.
+    def read(self):
+        value = self.__dict__["training"]
+        reads.append((self, value))
+        return value
+
+    def write(self, value):
+        self.__dict__["training"] = value
+
+    return type(cls)(cls.__name__, (cls,), {"training": property(read, write), "__module__": cls.__module__,
+                                            "__qualname__": cls.__qualname__})
+
+
+def read_flags(root: nn.Module, reads: list) -> dict[str, bool]:
+    """{module path: flag read}, in reading order ("" is the root)."""
+    paths = {id(module): name for name, module in root.named_modules()}
+    return {paths[id(module)]: value for module, value in reads if id(module) in paths}
+
+
+def follow_training_flags(gm: fx.GraphModule, model: nn.Module, convert_again: Callable[[nn.Module], fx.GraphModule]):
+    """Let `gm` (captured from `model`, having read gm.__dict__[READS]) capture the model again when it is
+    called with other flags. `convert_again(copy)` converts a copy of the model's tree set to those flags."""
+    cls = type(gm)   # GraphModule gives every instance a class of its own: this changes `gm` alone
+    model = unwrap_compiled(model)[0]
+    cls._amp_model, cls._amp_convert_again = model, convert_again
+    cls._amp_graphs = [_snapshot(gm, gm, model)]
+    cls._amp_watched = _watched(gm)
+    cls._call_impl = _call_in_captured_flags
+    cls.train = _train_switching_graphs   # switches outside torch.compile'd calls too
+    cls.__deepcopy__ = _deepcopy_following_flags
+
+
+def _watched(gm: fx.GraphModule) -> list[tuple[nn.Module, bool]]:
+    return [(gm.get_submodule(path), flag) for path, flag in gm.__dict__[READS].items()]
+
+
+def _call_in_captured_flags(self, *args, **kwargs):
+    if any(module.training is not flag for module, flag in type(self)._amp_watched):
+        _switch_graph(self)
+    return nn.Module._call_impl(self, *args, **kwargs)
+
+
+def _train_switching_graphs(self, mode: bool = True):
+    nn.Module.train(self, mode)
+    if any(module.training is not flag for module, flag in type(self)._amp_watched):
+        _switch_graph(self)
+    return self
+
+
+def _deepcopy_following_flags(self, memo):
+    copy = fx.GraphModule.__deepcopy__(self, memo)   # keeps the graph and meta, not other attributes
+    copy.__dict__[READS] = dict(self.__dict__[READS])
+    follow_training_flags(copy, type(self)._amp_model, type(self)._amp_convert_again)
+    return copy
+
+
+@torch._dynamo.disable   # capturing runs eagerly, also inside torch.compile
+def _switch_graph(gm: fx.GraphModule) -> None:
+    cls = type(gm)
+    flags = {name: module.training for name, module in gm.named_modules()}
+    for snapshot in cls._amp_graphs:
+        if all(flags.get(path) is flag for path, flag in snapshot["reads"].items()):
+            break
+    else:
+        copy = share_module_tree(cls._amp_model)
+        for name, module in copy.named_modules():
+            module.training = flags.get(name, module.training)
+        with torch.inference_mode(False), torch.enable_grad():
+            snapshot = _snapshot(cls._amp_convert_again(copy), gm, cls._amp_model)
+        cls._amp_graphs.append(snapshot)
+    for name, value in snapshot["attributes"].items():
+        setattr(gm, name, value)
+    gm.graph = snapshot["graph"]   # recompiles: gm.code is this mode's
+    gm.meta["amp"] = snapshot["summary"]
+    if snapshot["saved"] is not None:
+        setattr(gm, SAVED_ATTRIBUTE, snapshot["saved"])
+    gm.__dict__[READS] = snapshot["reads"]
+    cls._amp_watched = _watched(gm)
+
+
+def _snapshot(captured: fx.GraphModule, gm: fx.GraphModule, model: nn.Module) -> dict:
+    """What switching `gm` to `captured`'s graph needs: the graph, its record, and the root attributes the
+    capture added (opaque callees, lifted constants, frozen copies); the model's own modules stay gm's."""
+    own = set(model._modules) | set(model._parameters) | set(model._buffers)
+    roots = {node.target.split(".")[0] for node in captured.graph.nodes if node.op in ("get_attr", "call_module")}
+    return {"graph": captured.graph, "summary": captured.meta["amp"], "saved": getattr(captured, SAVED_ATTRIBUTE, None),
+            "reads": dict(captured.__dict__.get(READS, {})),
+            "attributes": {name: getattr(captured, name) for name in sorted(roots - own)}}
+
+
+def training_lines(reads: dict[str, bool]) -> list[str]:
+    """explain()'s summary line for a graph that read `training` at capture."""
+    if not reads:
+        return []
+    paths = [path or "the model" for path in reads]
+    shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    modes = sorted({"train" if flag else "eval" for flag in reads.values()})
+    return [f"training: {len(paths)} module{'s' if len(paths) > 1 else ''} read self.training while captured ({shown}): this graph is the "
+            f"{'/'.join(modes)}-mode one; a call with other train()/eval() flags captures the model again "
+            "in those (once; both graphs kept)"]
