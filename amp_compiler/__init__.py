@@ -2,6 +2,7 @@
 from amp_compiler import legacy_names
 
 legacy_names.install()   # before anything else: files saved by the previous release name old modules
+from amp_compiler.legacy_names import load
 from amp_compiler.train.bad_steps import NonFiniteGradientsError
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert import convert
@@ -25,7 +26,7 @@ __all__ += ["LossScaleManager", "FixedLossScaleManager", "DynamicLossScaleManage
             "TrainStep"]
 __all__ += ["GradScaler", "Overflow", "NonFiniteGradientsError"]
 __all__ += ["diff", "PrecisionDiff", "render", "compare", "ComparisonReport", "FP16RangeWarning"]
-__all__ += ["freeze", "frozen_bytes"]
+__all__ += ["freeze", "frozen_bytes", "load"]
 __all__ += ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionReport", "ValidationReport"]
 __version__ = "0.1.0"
 

@@ -3,11 +3,24 @@
 A GraphModule saved with torch.save keeps its generated code, whose import lines name the helpers by
 module path (`from passes.insert_casts import amp_cast`), and pickled objects name their classes'
 modules (amp_compiler.loss_scale.DynamicLossScaleManager). Those modules moved (amp_compiler.passes.fx...);
-this finder answers exactly the old names with the modules that now hold the same objects, so old files
+a finder answers exactly the old names with the modules that now hold the same objects, so old files
 load and no module is ever imported twice under two names (the passes test `node.target is amp_cast`).
+
+Old names inside our own namespace (`amp_compiler.loss_scale`) are answered always: nobody else can own
+them. The old top-level names (`passes`, `passes.*`) belong to whoever has a `passes` package (a common
+name in compiler projects), so they are answered only while an old file loads:
+
+    gm = amp_compiler.load("converted.pt", weights_only=False)      # torch.load, with the old names
+    with amp_compiler.legacy_names.loading_old_files():              # or around any loader
+        gm = torch.load("converted.pt", weights_only=False)
+
+Afterwards `import passes` finds the user's package again. The loaded module's code names the new
+paths, so saving it again writes a file that loads without either. The finder is global while it is
+installed: load old files from one thread at a time.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.util
@@ -72,9 +85,22 @@ RENAMED = {
 }
 
 
+# The old names outside amp_compiler's namespace: answered only inside loading_old_files().
+TOP_LEVEL = "passes"
+
+
+def _is_top_level_old_name(name: str) -> bool:
+    return name == TOP_LEVEL or name.startswith(TOP_LEVEL + ".")
+
+
 class _RenamedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Answers the old names in `names` with the modules that hold their objects now."""
+
+    def __init__(self, names) -> None:
+        self.names = frozenset(names)
+
     def find_spec(self, fullname, path=None, target=None):
-        return importlib.util.spec_from_loader(fullname, self) if fullname in RENAMED else None
+        return importlib.util.spec_from_loader(fullname, self) if fullname in self.names else None
 
     def create_module(self, spec):
         return None
@@ -84,6 +110,49 @@ class _RenamedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         sys.modules[module.__name__] = importlib.import_module(RENAMED[module.__name__])
 
 
+class _OwnOldNames(_RenamedModules):
+    """The permanent finder: old names under amp_compiler only."""
+
+    def __init__(self) -> None:
+        super().__init__(name for name in RENAMED if not _is_top_level_old_name(name))
+
+
 def install() -> None:
-    if not any(isinstance(finder, _RenamedModules) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RenamedModules())   # ahead of a source checkout's top-level passes/
+    """Answer the old amp_compiler.* names from now on (`import amp_compiler` does this)."""
+    if not any(isinstance(finder, _OwnOldNames) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _OwnOldNames())   # ahead of any stale file left under an old name
+
+
+@contextlib.contextmanager
+def loading_old_files():
+    """While the block runs, the previous release's top-level names (`passes.insert_casts`...) import
+    as the modules now holding their objects; afterwards every `passes` name is as it was before."""
+    before = {name: module for name, module in sys.modules.items() if _is_top_level_old_name(name)}
+    finder = _RenamedModules(name for name in RENAMED if _is_top_level_old_name(name))
+    sys.meta_path.insert(0, finder)   # ahead of a source checkout's or the user's own passes/
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        _restore_modules(before)
+
+
+def _restore_modules(before: dict) -> None:
+    for name in [n for n in sys.modules if _is_top_level_old_name(n)]:
+        if name in before:
+            sys.modules[name] = before[name]
+            continue
+        module = sys.modules.pop(name)
+        parent, _, child = name.rpartition(".")
+        # Importing passes.x under the finder set x on a `passes` the user had imported: take it back.
+        if parent in before and getattr(before[parent], child, None) is module:
+            delattr(before[parent], child)
+
+
+def load(f, **torch_load_arguments):
+    """`torch.load(f, **torch_load_arguments)` inside loading_old_files(): for files saved by the
+    previous release. A converted GraphModule is a pickle: pass weights_only=False for files you trust."""
+    import torch
+
+    with loading_old_files():
+        return torch.load(f, **torch_load_arguments)

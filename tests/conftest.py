@@ -1,7 +1,7 @@
 import os
 import sys
 
-# The model zoo (models/) is not installed: tests import it from the repository root.
+# Tests import the model zoo (models/) from the repository root as `models` (installed: amp_compiler.models).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # transformers and timm import torchvision when it is installed; the wheel that matches the torch pin
