@@ -21,9 +21,15 @@ def record_child_inputs(root: nn.Module, example_inputs) -> dict[str, tuple]:
     if example_inputs is None:
         return {}
     seen: dict[str, tuple] = {}
-    handles = [child.register_forward_pre_hook(
-        lambda module, args, name=name: seen.setdefault(name, args) and None)
-        for name, child in root.named_children()]
+    # A child called with keyword arguments is converted without example inputs: its positional ones
+    # alone would be refused as too few (frontend/example_inputs.py).
+    def recorder(name: str):
+        def record(module, args, kwargs):
+            seen.setdefault(name, None if kwargs else args)
+        return record
+
+    handles = [child.register_forward_pre_hook(recorder(name), with_kwargs=True)
+               for name, child in root.named_children()]
     training = {m: m.training for m in root.modules()}
     root.eval()   # the copy's flags only: batch norm statistics are not updated by this run
     try:

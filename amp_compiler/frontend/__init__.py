@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.frontend.errors import TracingError, user_frame
+from amp_compiler.frontend.example_inputs import check_input_count
 from amp_compiler.frontend.export_capture import export_failure, export_graph
 from amp_compiler.frontend.integrations import prepare_for_export
 from amp_compiler.frontend.fx_capture import AmpTracer, is_leaf_module, optional_arguments, restore_output_type
@@ -45,6 +46,7 @@ def trace(model: nn.Module, example_inputs=None, dynamic_shapes=None) -> TracedM
                         f"got {type(example_inputs).__name__}")
     model, notes = unwrap_compiled(model)
     _check_dtypes(model, example_inputs)
+    check_input_count(model, example_inputs)
     root = share_module_tree(model)
     tracer = AmpTracer()
     concrete = optional_arguments(root, example_inputs)
