@@ -1,9 +1,13 @@
 """torch.export fallback: capture what fx cannot, keeping what the exported program promises.
 
-    dynamic dims   every dim of every example tensor starts as Dim.AUTO: torch.export keeps dynamic what
-                   the model allows (batch, sequence, node counts) and fixes the rest; the notes say which
-    guards         the exported `_guards_fn` stays in the graph: a call outside what the graph was
-                   specialised to raises, it never computes the wrong branch
+    dynamic dims   every dim of every example tensor starts as Dim.AUTO (given by argument name, so
+                   `forward(self, *args)` gets them too): torch.export keeps dynamic what the model allows
+                   (batch, sequence, node counts) and fixes the rest; the notes say which. Where that
+                   fails, batch-only, then all fixed, with a note saying why
+    guards         the exported `_guards_fn` stays in the graph, behind a check of the fixed dims: a call
+                   outside what the graph was specialised to raises a ValueError naming the input, the dim
+                   and the captured size; it never computes the wrong branch
+    dtype asserts  torch.export's `_assert_tensor_metadata` lose their dtype: the graph changes dtypes on purpose
     signature      the exported in/out pytree specs: dict inputs, keyword inputs and the model's own output
                    type (ModelOutput, namedtuple, OrderedDict) survive
     train flags    dropout / batch-norm train flags follow train()/eval() (batch norms without running
@@ -14,11 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import operator
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from amp_compiler.frontend.errors import TracingError, user_frame
 from amp_compiler.frontend.function_apply import intercepted_function_apply
@@ -30,15 +36,11 @@ def export_graph(model: nn.Module, root: nn.Module, example_inputs: tuple, dynam
     """(GraphModule on `root`, notes). Raises what torch.export raised."""
     notes = []
     with _custom_functions_recorded() as functions:
-        try:
-            exported = torch.export.export(root, example_inputs, dynamic_shapes=dynamic_shapes or
-                                           _auto_dynamic(example_inputs), strict=False)
-        except Exception as dynamic_error:  # noqa: BLE001 - some models only export with fixed shapes
-            if dynamic_shapes is not None:
-                raise
-            exported = torch.export.export(root, example_inputs, strict=False)
-            notes.append("every input dim is fixed: dynamic export failed "
-                         f"({type(dynamic_error).__name__}: {str(dynamic_error).splitlines()[0][:120]})")
+        if dynamic_shapes is not None:
+            exported = torch.export.export(root, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
+            why_fixed = "fixed by the model or by dynamic_shapes"
+        else:
+            exported, why_fixed = _export_as_dynamic_as_possible(root, example_inputs, notes)
     if functions:
         names = ", ".join(sorted(functions))
         raise TracingError(
@@ -57,27 +59,103 @@ def export_graph(model: nn.Module, root: nn.Module, example_inputs: tuple, dynam
             _set_attr(root, node.target, operator.attrgetter(node.target)(unlifted))
     live = _make_training_flags_live(root, graph)
     notes.append(f"captured with torch.export; {live} dropout/batch-norm train flags follow train()/eval()")
-    notes.extend(_shape_notes(graph))
+    fixed = _fixed_dims(graph)
+    notes.extend(f"input {name}: dim {', '.join(f'{d}={n}' for d, n in dims.items())} fixed ({why_fixed}); "
+                 "calls with another size there raise; convert(..., dynamic_shapes=...) or another example "
+                 "size changes that" for name, dims in fixed.items())
+    _guard_fixed_dims(root, graph, fixed, why_fixed)
+    _drop_dtype_assertions(graph)
     return graph_module_on(root, graph, type(model).__name__ + "Amp"), notes
 
 
-def _auto_dynamic(example_inputs: tuple):
-    dim = torch.export.Dim.AUTO
-    return torch.utils._pytree.tree_map(
-        lambda v: {i: dim for i in range(v.dim())} if isinstance(v, torch.Tensor) else None, example_inputs)
+def _export_as_dynamic_as_possible(root: nn.Module, example_inputs: tuple, notes: list[str]):
+    """(ExportedProgram, why its fixed dims are fixed): every dim Dim.AUTO, else the batch dim only, else none."""
+    failures = []
+    for dims, why in ((None, "the model fixes it"), ({0}, "dynamic export failed"), (set(), "dynamic export failed")):
+        try:
+            exported = torch.export.export(root, example_inputs, dynamic_shapes=_auto_dynamic(root, example_inputs, dims),
+                                           strict=False)
+        except Exception as error:  # noqa: BLE001 - some models only export with fewer dynamic dims
+            if not dims and dims is not None:
+                raise
+            failures.append(f"{type(error).__name__}: {str(error).splitlines()[0][:120]}")
+            continue
+        if failures:
+            kept = "only the batch dim (0) dynamic" if dims else "every input dim fixed"
+            notes.append(f"{kept}: export with dynamic dims failed ({'; '.join(failures)})")
+            why = f"{why}: {failures[0]}"
+        return exported, why
 
 
-def _shape_notes(graph: fx.Graph) -> list[str]:
-    notes = []
+def _auto_dynamic(root: nn.Module, example_inputs: tuple, dims: set[int] | None = None):
+    """Dim.AUTO for every dim (or only `dims`) of every example tensor, keyed by forward's argument names:
+    torch.export matches a plain tuple against the signature, which `forward(self, *args)` fails."""
+    auto = torch.export.Dim.AUTO
+    specs = torch.utils._pytree.tree_map(
+        lambda v: {i: auto for i in range(v.dim()) if dims is None or i in dims} if isinstance(v, torch.Tensor)
+        else None, example_inputs)
+    try:
+        return dict(inspect.signature(root.forward).bind(*specs).arguments)
+    except TypeError:   # torch.export will name the mismatch itself
+        return specs
+
+
+def _fixed_dims(graph: fx.Graph) -> dict[str, dict[int, int]]:
+    """input name -> {dim: captured size} for the dims torch.export specialised."""
+    fixed = {}
     for node in graph.nodes:
         value = node.meta.get("val")
         if node.op != "placeholder" or not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
-        fixed = [f"{i}={int(s)}" for i, s in enumerate(value.shape) if not isinstance(s, torch.SymInt)]
-        if fixed:
-            notes.append(f"input {node.name}: dim {', '.join(fixed)} fixed (the rest dynamic); "
-                         "convert(..., dynamic_shapes=...) or another example size changes that")
-    return notes
+        dims = {i: int(s) for i, s in enumerate(value.shape) if is_concrete_int(s)}
+        if dims:
+            fixed[node.name] = dims
+    return fixed
+
+
+class FixedDimGuards(nn.Module):
+    """torch.export's guards, after a check of the dims it fixed that names the input, dim and captured size
+    (the guards alone raise `AssertionError: Guard failed: args_0.size()[0] == 2`)."""
+    amp_canonical_op = "guards"
+    _is_impure = True   # no users: dead-code elimination must keep it
+
+    def __init__(self, guards: nn.Module, names: list[str], fixed: dict[str, dict[int, int]], why: str):
+        super().__init__()
+        self.guards, self.names, self.fixed, self.why = guards, names, fixed, why
+
+    def forward(self, *inputs):
+        for name, value in zip(self.names, inputs):
+            for dim, size in self.fixed.get(name, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] != size:
+                    raise ValueError(
+                        f"input {name} has size {value.shape[dim]} at dim {dim}, but the converted graph was captured "
+                        f"with {size} there and that dim is fixed ({self.why}).\nConvert with an example of this "
+                        "size, or give convert(..., dynamic_shapes=...) to keep it dynamic.")
+        if torch.compiler.is_compiling():
+            return self.guards(*inputs)
+        try:
+            return self.guards(*inputs)
+        except AssertionError as error:
+            raise ValueError(f"the inputs are outside what the converted graph was captured for: {error}") from None
+
+
+def _guard_fixed_dims(root: nn.Module, graph: fx.Graph, fixed: dict, why: str) -> None:
+    node = next((n for n in graph.nodes if n.op == "call_module" and n.target == "_guards_fn"), None)
+    if node is None:
+        return
+    names = [arg.name if isinstance(arg, fx.Node) else None for arg in node.args]
+    _set_attr(root, "_guards_fn", FixedDimGuards(root._guards_fn, names, fixed, why))
+
+
+def _drop_dtype_assertions(graph: fx.Graph) -> None:
+    """`.to(dtype)` in the model leaves `_assert_tensor_metadata(x, dtype=float32)` in the exported graph;
+    mixed precision changes that dtype on purpose, so only the dtype check goes (device and layout stay)."""
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default):
+        args = list(node.args)
+        if len(args) > 3:
+            args[3] = None
+        node.args = tuple(args)
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}
 
 
 @contextlib.contextmanager
