@@ -121,3 +121,25 @@ def test_an_integer_division_is_recorded_as_the_float32_it_computes(level):
     amp_compiler.verify(gm, x)                # the recorded dtypes are the ones that run
     divisions = [row for row in explain(gm).to_dict()["rows"] if row["op"] == "div"]
     assert divisions and all(row["dtype"] == "float32" and "integer operands only" in row["rule"] for row in divisions)
+
+
+def test_convert_onnx_in_bf16_keeps_the_reader_of_a_float32_min_constant_fp32():
+    """The ONNX side's range guard: a Where filling with finfo(float32).min (a Constant) reads it fp32 in
+    bf16 too (it was fp16-only: in bf16 the Where ran low and its Cast made the fill -inf)."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from onnx_testing import initializer, make_model, tensor_input
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["scores"], name="scores"),
+             helper.make_node("Constant", [], ["fill"], name="fill",
+                              value=helper.make_tensor("fill_value", TensorProto.FLOAT, [], [F32_MIN])),
+             helper.make_node("Where", ["mask", "fill", "scores"], ["masked"], name="where_masked"),
+             helper.make_node("Softmax", ["masked"], ["y"], axis=-1, name="softmax")]
+    model = make_model(nodes, [tensor_input("x", TensorProto.FLOAT, [2, 4]), tensor_input("mask", TensorProto.BOOL, [2, 4])],
+                       [tensor_input("y", TensorProto.FLOAT, [2, 4])], [initializer("w", np.eye(4, dtype=np.float32))])
+    for level in ("O1", "O2"):
+        report = amp_compiler.convert_onnx(model, None, level, dtype=torch.bfloat16)
+        decided = {row["node"]: row for row in report.rows}
+        assert decided["scores"]["precision"] == "bfloat16", decided["scores"]
+        assert decided["where_masked"]["precision"] == "float32"
+        assert "3.40282e+38 > 3.3895e+38 (bf16 max): kept fp32" in decided["where_masked"]["rule"]

@@ -9,8 +9,9 @@ together. Loop/Scan bodies are painted op by op, their loop-carried values keep 
 Forced fp32, before painting, strongest first: nodes that cannot run in the low dtype (the op's ONNX
 schema has no such type, or ONNX Runtime refuses it), op_block_list (ONNX op types), node_block_list
 (node names), the user's force_fp32/force_low patterns on node names and torch module paths, and nodes
-that read a constant fp16 cannot hold (an initializer, Constant or ConstantOfShape fill beyond 65504),
-directly or through reshapes and other data movement.
+that read a constant the low dtype cannot hold (an initializer, Constant or ConstantOfShape fill beyond
+fp16's 65504 or bf16's 3.39e38, such as finfo(float32).min), directly or through reshapes and other data
+movement.
 Reads meta["amp"]["op"] and ["module"] (onnx_canonicalize) and the value types in the model.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from functools import lru_cache
 import numpy as np
 import onnx
 import onnx_ir as ir
+import torch
 
 from amp_compiler.passes.onnx.canonicalize import all_nodes
 from amp_compiler.passes.onnx.spec import (FP16_MAX, input_role, is_float_value, is_onnx_op, low_precision_blocker,
@@ -76,7 +78,7 @@ class OnnxNodes:
                 if facts(node)["class"] in ("allow", "infer", "clear") else None
             if why:
                 self.blocked[node] = why + ": kept fp32"
-        self.out_of_range = _readers_of_out_of_range_constants(self.model) if self.rules.low_dtype == "float16" else {}
+        self.out_of_range = _readers_of_out_of_range_constants(self.model, self.rules.low_dtype)
 
     def forced(self, node: ir.Node, rules: PrecisionRules) -> tuple[str, str] | None:
         # Precedence: what cannot run low and the call's block lists, the user's patterns, the range guard.
@@ -139,12 +141,14 @@ def _block_lists(nodes: list[ir.Node], op_types: set, names: set) -> dict[ir.Nod
     return forced
 
 
-def _readers_of_out_of_range_constants(model: ir.Model) -> dict[ir.Node, str]:
-    """Nodes that read (directly or through data movement) a constant fp16 cannot hold: they stay fp32
-    rather than see inf. Nothing is clipped: the values stay exact."""
+def _readers_of_out_of_range_constants(model: ir.Model, low_dtype: str) -> dict[ir.Node, str]:
+    """Nodes that read (directly or through data movement) a constant the low dtype cannot hold: they stay
+    fp32 rather than see inf. Nothing is clipped: the values stay exact."""
+    limit = FP16_MAX if low_dtype == "float16" else float(torch.finfo(getattr(torch, low_dtype)).max)
+    short = {"float16": "fp16", "bfloat16": "bf16"}.get(low_dtype, low_dtype)
     forced: dict[ir.Node, str] = {}
-    for value, peak in _out_of_range_constants(model):
-        why = f"reads {value.name}, which holds |x| up to {peak:.6g} > {FP16_MAX:g} (fp16 max): kept fp32"
+    for value, peak in _out_of_range_constants(model, limit):
+        why = f"reads {value.name}, which holds |x| up to {peak:.6g} > {limit:.5g} ({short} max): kept fp32"
         stack = [value]
         while stack:
             for reader in stack.pop().consumers():
@@ -156,7 +160,7 @@ def _readers_of_out_of_range_constants(model: ir.Model) -> dict[ir.Node, str]:
     return forced
 
 
-def _out_of_range_constants(model: ir.Model):
+def _out_of_range_constants(model: ir.Model, limit: float):
     for graph in model.graphs():
         candidates = [v for v in graph.initializers.values() if is_float_value(v) and v.const_value is not None]
         candidates += [n.outputs[0] for n in graph if is_onnx_op(n, "Constant", "ConstantOfShape")
@@ -166,7 +170,7 @@ def _out_of_range_constants(model: ir.Model):
             if tensor is None or tensor.size == 0:
                 continue
             peak = _finite_peak(tensor.numpy())
-            if peak > FP16_MAX:
+            if peak > limit:
                 yield value, peak
 
 
