@@ -32,7 +32,7 @@ from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
 from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
 from amp_compiler.passes.fx.place_casts import FxCastPlacement
 from amp_compiler.passes.fx.propagate_values import propagate_values
-from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks
+from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks, check_calibration_data
 from amp_compiler.passes.painting.keep_constants_fp32 import keep_constant_paths_fp32
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline
 from amp_compiler.saved_decisions import preserve_decisions
@@ -51,6 +51,7 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     `freeze=True`: inference calls read low-precision weight copies made once (amp_compiler.freeze).
     """
     config = make_config(level, **overrides)
+    check_calibration_data(calibration_data)   # before any work: a bare tensor would be split into rows
     try:
         traced = trace(model, example_inputs, dynamic_shapes)
     except TracingError as error:

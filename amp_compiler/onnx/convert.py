@@ -26,7 +26,7 @@ from amp_compiler.onnx.report import OnnxConversionReport, count_casts, decision
 from amp_compiler.passes.onnx.calibrate_ranges import record_onnx_ranges
 from amp_compiler.passes.onnx.decide_precision import decide_onnx_precision
 from amp_compiler.passes.onnx.place_casts import OnnxCastPlacement
-from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks
+from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks, check_calibration_data
 from amp_compiler.passes.onnx.declare_initializer_inputs import declare_initializer_inputs
 from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
 from amp_compiler.passes.onnx.infer_types import infer_onnx_types, infers_float_values
@@ -60,6 +60,7 @@ def convert_onnx(src, dst=None, level: str = "O1", *, keep_io_types: bool = True
     started = time.perf_counter()
     config = make_config(level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
     op_block_list, node_block_list = _names(op_block_list, "op_block_list"), _names(node_block_list, "node_block_list")
+    check_calibration_data(calibration_data)
     if dst is not None:
         dst = check_writable(dst)   # before any work: a bad destination costs nothing
     model = load_onnx_model(src)

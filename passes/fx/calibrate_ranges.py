@@ -17,19 +17,23 @@ from typing import Iterable
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.painting.calibrate_ranges import RangeTotals, progress, value_stats
+from amp_compiler.passes.fx.decide_precision import module_path
+from amp_compiler.passes.painting.calibrate_ranges import (RangeTotals, calibration_sample, check_calibration_data,
+                                                           progress, value_stats)
 from amp_compiler.passes.runner import PassResult
 
 
 def record_ranges(gm: fx.GraphModule, samples: Iterable, low_dtype: torch.dtype) -> PassResult:
+    check_calibration_data(samples)
     totals = RangeTotals(low_dtype)
+    arity = sum(node.op == "placeholder" for node in gm.graph.nodes)
     flags = {module: module.training for module in gm.modules()}
     gm.eval()
     try:
         with torch.no_grad():
-            for sample in progress(samples):
-                recorder = _RangeRecorder(gm, totals.limits.tiny)
-                recorder.run(*(sample if isinstance(sample, (tuple, list)) else (sample,)))
+            for index, sample in enumerate(progress(samples)):
+                recorder = _RangeRecorder(gm, totals.limits.tiny, index)
+                recorder.run(*calibration_sample(index, sample, arity))
                 totals.add_sample(recorder.seen, lambda node: node.all_input_nodes)
     finally:
         for module, flag in flags.items():
@@ -40,14 +44,29 @@ def record_ranges(gm: fx.GraphModule, samples: Iterable, low_dtype: torch.dtype)
 class _RangeRecorder(fx.Interpreter):
     """Keeps value_stats() of every node's float outputs."""
 
-    def __init__(self, gm: fx.GraphModule, tiny: float):
+    def __init__(self, gm: fx.GraphModule, tiny: float, index: int):
         super().__init__(gm)
-        self.tiny, self.seen = tiny, {}
+        self.tiny, self.seen, self.index = tiny, {}, index
+        self.extra_traceback = False   # a failure names the sample and the node itself
 
     def run_node(self, node: fx.Node):
-        result = super().run_node(node)
+        try:
+            result = super().run_node(node)
+        except Exception as error:  # noqa: BLE001 - the user's sample, not the graph, is what to fix
+            inputs = ", ".join(_describe(self.env.get(n)) for n in self.graph.nodes if n.op == "placeholder")
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            module = module_path(node)
+            where = f"node {node.name}" + (f" (module {module!r})" if module else "")
+            raise ValueError(f"calibration_data sample {self.index} ({inputs}) fails at {where}: "
+                             f"{type(error).__name__}: {first}") from error
         tensors = [t for t in torch.utils._pytree.tree_leaves(result)
                    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
         if tensors and node.op != "output":
             self.seen[node] = value_stats(tensors, self.tiny)
         return result
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    return type(value).__name__

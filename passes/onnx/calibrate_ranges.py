@@ -21,21 +21,27 @@ import onnxruntime as ort
 import torch
 
 from amp_compiler.passes.onnx.spec import is_float_value
-from amp_compiler.passes.painting.calibrate_ranges import RangeTotals, progress, value_stats
+from amp_compiler.passes.painting.calibrate_ranges import (RangeTotals, calibration_sample, check_calibration_data,
+                                                           progress, value_stats)
 from amp_compiler.passes.runner import PassResult
 
 
 def record_onnx_ranges(model: ir.Model, samples: Iterable, low_dtype: torch.dtype) -> PassResult:
+    check_calibration_data(samples)
     exposed = [value for node in model.graph for value in node.outputs if is_float_value(value)]
     session = _session(model, exposed)
     inputs = [i.name for i in session.get_inputs()]
     producers = {value.name: node for node in model.graph for value in node.outputs}
     totals = RangeTotals(low_dtype)
-    for sample in progress(samples):
-        arrays = [_array(x) for x in (sample if isinstance(sample, (tuple, list)) else (sample,))]
-        if len(arrays) != len(inputs):
-            raise ValueError(f"a calibration sample has {len(arrays)} inputs; the model takes {len(inputs)}: {inputs}")
-        values = dict(zip([o.name for o in session.get_outputs()], session.run(None, dict(zip(inputs, arrays)))))
+    for index, sample in enumerate(progress(samples)):
+        arrays = [_array(x) for x in calibration_sample(index, sample, len(inputs))]
+        try:
+            results = session.run(None, dict(zip(inputs, arrays)))
+        except Exception as error:  # noqa: BLE001 - ONNX Runtime's message, with the sample that caused it
+            shapes = ", ".join(f"{name}: {array.dtype}{list(array.shape)}" for name, array in zip(inputs, arrays))
+            raise ValueError(f"calibration_data sample {index} ({shapes}) fails in ONNX Runtime: "
+                             f"{str(error).strip().splitlines()[0][:200]}") from error
+        values = dict(zip([o.name for o in session.get_outputs()], results))
         seen = {}
         for node in model.graph:
             tensors = [torch.from_numpy(np.asarray(values[v.name], dtype=np.float32))

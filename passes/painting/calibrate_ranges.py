@@ -68,6 +68,24 @@ class RangeTotals:
         return {"samples": self.samples, "nodes_overflowing": overflowing}
 
 
+def check_calibration_data(samples) -> None:
+    """calibration_data is an iterable of samples: a bare tensor would be split into rows, a string into letters."""
+    if samples is None:
+        return
+    shape = getattr(samples, "shape", None)
+    if shape is not None or isinstance(samples, (str, bytes, dict)) or not isinstance(samples, Iterable):
+        got = f"a {type(samples).__name__}" + (f" of shape {list(shape)}" if shape is not None else "")
+        raise TypeError(f"calibration_data must be an iterable of input tuples, e.g. [(x1,), (x2,)]; got {got}")
+
+
+def calibration_sample(index: int, sample, arity: int) -> tuple:
+    """One sample as the tuple of the model's inputs; a bare tensor is a one-input sample."""
+    inputs = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+    if len(inputs) != arity:
+        raise ValueError(f"calibration_data sample {index} has {len(inputs)} input(s); the model takes {arity}")
+    return inputs
+
+
 def progress(samples: Iterable):
     """A progress bar (on a terminal) when there are many samples or no telling how many."""
     try:
