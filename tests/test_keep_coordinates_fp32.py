@@ -1,0 +1,119 @@
+"""Coordinates computed from a grid of positions (meshgrid of aranges, RAFT's coords) stay fp32 at every
+level, with the ops that read them (passes/painting/keep_coordinates_fp32.py): a small update added to a
+position in low precision is rounded away (bf16 holds 64 in steps of 0.25 of a pixel... 0.5 from 128), and
+`coords1 - coords0` then cancels to the rounding error. The model in miniature: RAFT's loop (issue 18)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from amp_compiler import convert, explain
+from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.painting.keep_coordinates_fp32 import carries_position
+
+FP16, BF16 = torch.float16, torch.bfloat16
+CONFIGS = [("O1", FP16), ("O1", BF16), ("O2", BF16), ("O3", FP16)]
+AUTOCAST_SLACK = 2.0
+
+
+class IterativeWarp(nn.Module):
+    """A position per pixel from meshgrid(arange); each step samples the features at the positions
+    (grid_sample), predicts a small update with a conv from the samples and the flow so far, and adds
+    it to the positions. Returns the flow, coords1 - coords0."""
+
+    def __init__(self, steps: int = 6, channels: int = 8):
+        super().__init__()
+        self.steps = steps
+        self.encode = nn.Conv2d(3, channels, 3, padding=1)
+        self.update = nn.Conv2d(channels + 2, 2, 3, padding=1)
+
+    def forward(self, image):
+        batch, _, h, w = image.shape
+        features = self.encode(image)
+        ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        coords0 = torch.stack([xs, ys]).float()[None].repeat(batch, 1, 1, 1)
+        coords1 = coords0
+        for _ in range(self.steps):
+            grid = torch.stack([2 * coords1[:, 0] / (w - 1) - 1, 2 * coords1[:, 1] / (h - 1) - 1], dim=-1)
+            sampled = F.grid_sample(features, grid, align_corners=True)
+            flow = coords1 - coords0
+            coords1 = coords1 + 0.1 * torch.tanh(self.update(torch.cat([sampled, flow], dim=1)))
+        return coords1 - coords0
+
+
+class SinusoidalPositions(nn.Module):
+    """sin/cos of positions x frequencies added to a linear's output: the phase reaches hundreds of radians."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.proj, self.head = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.register_buffer("frequencies", 1.0 / 10.0 ** torch.linspace(0, 2, dim // 2))
+
+    def forward(self, x):
+        phase = torch.arange(x.shape[1]).float()[:, None] * self.frequencies[None]
+        return self.head(self.proj(x) + torch.cat([torch.sin(phase), torch.cos(phase)], dim=-1))
+
+
+def _image(size: int = 64) -> torch.Tensor:
+    return torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+
+
+def _errors(model, level, dtype, *inputs) -> tuple[float, float, object]:
+    """(ours, autocast's) max error against fp32, and the converted module."""
+    gm = convert(model, level, dtype=dtype, example_inputs=inputs)
+    with torch.no_grad():
+        reference = model(*inputs)
+        ours = (gm(*inputs).float() - reference).abs().max().item()
+        with torch.autocast("cpu", dtype=dtype):
+            autocast = (model(*inputs).float() - reference).abs().max().item()
+    return ours, autocast, gm
+
+
+@pytest.mark.parametrize("level, dtype", CONFIGS, ids=[f"{lv}-{str(d)[6:]}" for lv, d in CONFIGS])
+def test_iterative_warp_keeps_positions_fp32_and_is_as_accurate_as_autocast(level, dtype):
+    torch.manual_seed(0)
+    model, image = IterativeWarp().eval(), _image()
+    ours, autocast, gm = _errors(model, level, dtype, image)
+    assert ours <= AUTOCAST_SLACK * max(autocast, 1e-4), f"max error {ours:.3g}, autocast's {autocast:.3g}"
+    updates = [n for n in gm.graph.nodes if facts(n).get("op") == "add" and facts(n).get("rule", "").startswith("coordinates")]
+    assert len(updates) == model.steps, [(n.name, facts(n).get("rule")) for n in gm.graph.nodes if facts(n).get("op") == "add"]
+    for node in updates:
+        assert facts(node)["precision"] == "fp32" and facts(node)["dtype"] == torch.float32
+        assert "computed from arange" in facts(node)["rule"]
+    # the updates themselves still come from low-precision convs
+    assert all(facts(n)["precision"] == "low" for n in gm.graph.nodes if facts(n).get("op") == "conv2d")
+    assert "coordinates: a position computed from arange" in str(explain(gm, only="fp32"))
+
+
+def test_a_second_image_size_and_step_count():
+    """The same class at another size (positions up to 95: bf16 steps of 0.5) and 3 steps."""
+    torch.manual_seed(1)
+    model, image = IterativeWarp(steps=3, channels=4).eval(), _image(96)
+    ours, autocast, gm = _errors(model, "O1", BF16, image)
+    assert ours <= AUTOCAST_SLACK * max(autocast, 1e-4), f"max error {ours:.3g}, autocast's {autocast:.3g}"
+
+
+def test_sin_of_positions_reads_them_fp32_at_o2():
+    torch.manual_seed(0)
+    model, x = SinusoidalPositions().eval(), torch.randn(2, 300, 16)
+    ours, autocast, gm = _errors(model, "O2", BF16, x)
+    rules = {facts(n)["op"]: facts(n) for n in gm.graph.nodes if facts(n).get("op") in ("sin", "cos", "mul")}
+    assert rules["mul"]["precision"] == "fp32" and rules["mul"]["rule"].startswith("coordinates")
+    for op in ("sin", "cos"):
+        assert rules[op]["precision"] == "fp32" and "reads the coordinates" in rules[op]["rule"]
+    assert ours <= AUTOCAST_SLACK * autocast, f"max error {ours:.3g}, autocast's {autocast:.3g}"
+
+
+def test_the_users_force_low_wins():
+    torch.manual_seed(0)
+    model, image = IterativeWarp(steps=2).eval(), _image(32)
+    gm = convert(model, "O1", dtype=BF16, example_inputs=(image,), force_low=["add*"])
+    adds = [n for n in gm.graph.nodes if facts(n).get("op") == "add"]
+    assert adds and all(facts(n)["precision"] == "low" for n in adds)
+
+
+def test_what_carries_a_position():
+    assert all(carries_position(op) for op in ("add", "sub", "div", "mul", "clamp", "reshape", "cat", "getitem",
+                                                "meshgrid", "to", "float", "floor", "where"))
+    assert not any(carries_position(op) for op in ("conv2d", "grid_sample", "sin", "softmax", "zeros_like",
+                                                    "lt", "argmax", "an_unknown_op", None))
