@@ -123,9 +123,9 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None 
     rtol = DEFAULT_RTOL.get(low, 1e-2) if rtol is None else rtol
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     with _eval_mode(model, gm), torch.no_grad():
+        model_out = _run_model(model, inputs)   # first: inputs the model refuses are the user's to fix
         reference, reference_out = _run(gm, inputs, fp32=True)
         candidate, candidate_out = _run(gm, inputs, fp32=False)
-        model_out = model(*inputs)
     errors = {}
     for node in gm.graph.nodes:
         if node in reference and node in candidate:
@@ -140,14 +140,41 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None 
     return report
 
 
+def _run_model(model: nn.Module, inputs: tuple):
+    try:
+        return model(*inputs)
+    except Exception as error:  # noqa: BLE001 - named with the inputs, in one line
+        raise ValueError(f"compare(): the model itself fails on these inputs ({_describe(inputs)}): "
+                         f"{type(error).__name__}: {_first_line(error)}") from error
+
+
+def _describe(inputs: tuple) -> str:
+    return ", ".join(f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}" if isinstance(x, torch.Tensor)
+                     else type(x).__name__ for x in inputs)
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:200]
+
+
 class _Recorder(fx.Interpreter):
     """Runs the graph and keeps every node's float tensor; fp32=True replays it without its casts."""
 
-    def __init__(self, gm: fx.GraphModule, fp32: bool):
+    def __init__(self, gm: fx.GraphModule, fp32: bool, inputs: tuple = ()):
         super().__init__(gm)
-        self.fp32, self.values = fp32, {}
+        self.fp32, self.values, self.inputs = fp32, {}, inputs
+        self.extra_traceback = False   # a failure names the node itself
 
     def run_node(self, node: fx.Node):
+        try:
+            return self._record(node)
+        except Exception as error:  # noqa: BLE001 - the model ran on these inputs: the graph is what fails
+            where = f"node {node.name}" + (f" (module {module_of(node)!r})" if module_of(node) else "")
+            replay = "its fp32 replay" if self.fp32 else "the converted graph"
+            raise ValueError(f"compare(): the model runs on these inputs ({_describe(self.inputs)}) but "
+                             f"{replay} fails at {where}: {type(error).__name__}: {_first_line(error)}") from error
+
+    def _record(self, node: fx.Node):
         if self.fp32 and (is_cast(node) or node.target is amp_frozen_cast):   # the weight comes first in both
             result = self.env[node.args[0]] if isinstance(node.args[0], fx.Node) else node.args[0]
         elif self.fp32 and facts(node).get("family") == "opaque":
@@ -165,7 +192,7 @@ class _Recorder(fx.Interpreter):
 
 
 def _run(gm, inputs, fp32: bool):
-    recorder = _Recorder(gm, fp32)
+    recorder = _Recorder(gm, fp32, inputs)
     out = recorder.run(*inputs)
     return recorder.values, out
 
