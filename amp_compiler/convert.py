@@ -58,7 +58,8 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     except TracingError as error:
         if example_inputs is None or not any(True for _ in model.children()):
             raise
-        converted = convert_children(model, error, convert, level, example_inputs, **overrides)
+        converted = convert_children(model, error, convert, level, example_inputs, calibration_data=calibration_data,
+                                     dynamic_shapes=dynamic_shapes, **overrides)
         return freeze_weights(converted) if freeze else converted
     gm = traced.graph_module
     counts = run_pipeline(gm, config, example_inputs, calibration_data)

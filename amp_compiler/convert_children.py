@@ -6,9 +6,13 @@
 The result is the model's own class (a shallow copy sharing its tensors) with its children replaced by
 their conversions, so its forward, methods and state_dict keys are the original's. Each child is
 converted with the inputs it received in one eval-mode run of `example_inputs`, so children that need
-torch.export get example inputs too. Children without parameters run as written.
+torch.export get example inputs too, and calibrated on the inputs it received in runs of each
+`calibration_data` sample. `dynamic_shapes` describes the model's inputs, not its children's: a warning
+says it was not used. Children without parameters run as written.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -16,16 +20,15 @@ from torch import nn
 from amp_compiler.frontend import TracingError, share_module_tree
 
 
-def record_child_inputs(root: nn.Module, example_inputs) -> dict[str, tuple]:
-    """name -> the positional inputs each direct child received in one eval-mode run (first call)."""
-    if example_inputs is None:
-        return {}
-    seen: dict[str, tuple] = {}
+def record_child_inputs(root: nn.Module, samples) -> list[dict[str, tuple]]:
+    """For each sample (a tuple of the model's inputs): name -> the positional inputs each direct child
+    received in one eval-mode run (first call)."""
+    seen: list[dict[str, tuple]] = []
     # A child called with keyword arguments is converted without example inputs: its positional ones
     # alone would be refused as too few (frontend/example_inputs.py).
     def recorder(name: str):
         def record(module, args, kwargs):
-            seen.setdefault(name, None if kwargs else args)
+            seen[-1].setdefault(name, None if kwargs else args)
         return record
 
     handles = [child.register_forward_pre_hook(recorder(name), with_kwargs=True)
@@ -34,7 +37,9 @@ def record_child_inputs(root: nn.Module, example_inputs) -> dict[str, tuple]:
     root.eval()   # the copy's flags only: batch norm statistics are not updated by this run
     try:
         with torch.no_grad():
-            root(*example_inputs)
+            for sample in samples:
+                seen.append({})
+                root(*sample)
     finally:
         for handle in handles:
             handle.remove()
@@ -44,21 +49,33 @@ def record_child_inputs(root: nn.Module, example_inputs) -> dict[str, tuple]:
 
 
 def convert_children(model: nn.Module, capture_error: TracingError, convert, level: str, example_inputs,
-                     **options) -> nn.Module:
+                     calibration_data=None, dynamic_shapes=None, **options) -> nn.Module:
     """A copy of `model` whose children with parameters are converted with `convert(child, level, ...)`."""
     root = share_module_tree(model)
-    inputs = record_child_inputs(root, example_inputs)
+    inputs, *calibration = record_child_inputs(root, [example_inputs, *(calibration_data or ())])
     children, notes = {}, [f"{type(model).__name__}.forward runs as written: {str(capture_error).splitlines()[0]}"]
+    if dynamic_shapes is not None:
+        warnings.warn(f"convert(): dynamic_shapes was not used: {type(model).__name__}.forward cannot be captured, "
+                      "so its children are converted with the inputs they receive (each keeps the dims torch.export "
+                      "allows dynamic)", UserWarning, stacklevel=3)
+        notes.append("dynamic_shapes not used: it describes the model's inputs, and only its children are converted")
     for name, child in root.named_children():
         if not any(True for _ in child.parameters()):
             continue
+        # a child's calibration samples: what it received in the model's run on each calibration sample
+        samples = [run[name] for run in calibration if run.get(name) is not None] if inputs.get(name) else None
         try:
-            converted = convert(child, level, example_inputs=inputs.get(name), **options)
+            converted = convert(child, level, example_inputs=inputs.get(name),
+                                calibration_data=samples if calibration_data is not None else None, **options)
         except TracingError as error:
             notes.append(f"{name} runs as written: {str(error).splitlines()[0]}")
             continue
         root._modules[name] = converted
         children[name] = converted.meta["amp"]
+    uncalibrated = [name for name in children if inputs.get(name) is None]
+    if calibration_data is not None and uncalibrated:
+        warnings.warn(f"convert(): calibration_data was not used for {', '.join(uncalibrated)}: called with keyword "
+                      "arguments, so converted without example inputs", UserWarning, stacklevel=3)
     if not children:
         raise capture_error
     any_child = next(iter(children.values()))
