@@ -23,6 +23,7 @@ from amp_compiler.passes.fx.constant_range import (constants_beyond_range, magni
                                                    warn_constants_beyond_fp16)
 from amp_compiler.passes.fx.cast_after_layout_ops import cast_after_layout_ops
 from amp_compiler.passes.fx.decide_precision import decide_fx_precision
+from amp_compiler.passes.fx.coordinates import keep_fx_coordinates_fp32
 from amp_compiler.passes.fx.fold_casts import count_casts, fold_casts
 from amp_compiler.passes.fx.fused_attention_masks import fused_attention_masks
 from amp_compiler.passes.fx.promote_in_kernel import promote_in_kernel
@@ -33,7 +34,6 @@ from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
 from amp_compiler.passes.fx.place_casts import FxCastPlacement
 from amp_compiler.passes.fx.propagate_values import propagate_values
 from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks, check_calibration_data
-from amp_compiler.passes.painting.keep_coordinates_fp32 import keep_coordinates_fp32
 from amp_compiler.passes.painting.keep_constants_fp32 import keep_constant_paths_fp32
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline
 from amp_compiler.saved_decisions import preserve_decisions
@@ -111,8 +111,7 @@ def _decide(state: FxState) -> PassResult:
     rules = state.config.precision_rules()
     constants = keep_constant_paths_fp32(constants_beyond_range(state.gm, state.low),   # -3.4e38 fills stay fp32
                                          magnitude_carriers(state.gm, state.low), rules.low_dtype)
-    coordinates = keep_coordinates_fp32(state.gm.graph.nodes, lambda n: facts(n).get("op"), lambda n: n.users,
-                                        lambda n: n.name)   # positions from arange (RAFT's coords) stay fp32
+    coordinates = keep_fx_coordinates_fp32(state.gm)   # positions from arange (RAFT's coords) stay fp32
     hooks = (constants, coordinates, *calibrated_hooks(state.gm.graph.nodes, state.low))   # calibrated: the ranges decide too
     placement = FxCastPlacement(state.gm, rules, state.config.keep_io_types) if state.config.cast_placement else None
     result = decide_fx_precision(state.gm, rules, painted=(*hooks, placement) if placement else hooks)

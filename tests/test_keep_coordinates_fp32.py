@@ -117,3 +117,22 @@ def test_what_carries_a_position():
                                                 "meshgrid", "to", "float", "floor", "where"))
     assert not any(carries_position(op) for op in ("conv2d", "grid_sample", "sin", "softmax", "zeros_like",
                                                     "lt", "argmax", "an_unknown_op", None))
+
+
+class PicksRows(nn.Module):
+    """arange as indices (x[arange(n), 0]): the picked values are data, not positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        picked = self.proj(x)[torch.arange(x.shape[0]), 0]
+        return self.head(picked * 2 + 1)
+
+
+def test_arange_used_as_indices_is_not_a_position():
+    gm = convert(PicksRows().eval(), "O2", dtype=BF16, example_inputs=(torch.randn(3, 5, 8),))
+    coordinates = [n.name for n in gm.graph.nodes if "coordinates" in (facts(n).get("rule") or "")]
+    assert coordinates == []
+    assert all(facts(n)["precision"] == "low" for n in gm.graph.nodes if facts(n).get("op") in ("mul", "add"))

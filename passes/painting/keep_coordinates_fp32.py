@@ -24,45 +24,50 @@ import networkx as nx
 from amp_compiler.passes.policy.op_policy import POLICY
 
 SOURCES = frozenset({"arange", "linspace"})
+SAMPLERS = frozenset({"grid_sample", "grid_sampler"})   # read coordinates as their grid, not as their data
 READERS_KEPT_FP32 = ("infer", "deny")   # by the op policy's class, whatever the level made of it
 FACTORIES_LIKE = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like"})
 
 
-def carries_position(op: str | None) -> bool:
-    """Whether an op's output is still a position when an input is one: data movement, selection (clamp,
-    where, round), pointwise arithmetic (translate, scale, subtract two positions) and dtype casts."""
+def carries_position(op: str | None, as_data: bool = True) -> bool:
+    """Whether an op's output is still a position when an input is one: pointwise arithmetic (translate,
+    scale, subtract two positions), dtype casts, and data movement or selection (clamp, where, round) of
+    the positions as data: not `x[arange(n)]` or gather(x, 0, idx), which read them as indices."""
     rule = POLICY.get(op)
-    if op == "meshgrid" or rule is None:
-        return op == "meshgrid"                   # meshgrid: a grid of its inputs; unknown ops: no
-    if op in FACTORIES_LIKE:
-        return False                              # a tensor shaped like the positions, not computed from them
-    return rule.op_class == "clear" and rule.family != "control_flow" or rule.family in ("arithmetic", "user_cast")
+    if rule is None or op in FACTORIES_LIKE:     # unknown ops; a tensor shaped like the positions, not computed from them
+        return op == "meshgrid" and as_data      # meshgrid: a grid of its inputs
+    if rule.family in ("arithmetic", "user_cast"):
+        return True
+    return as_data and rule.op_class == "clear" and rule.family != "control_flow"
 
 
 def coordinates(nodes: Iterable[Hashable], op: Callable[[Hashable], str | None],
-                readers: Callable[[Hashable], Iterable[Hashable]]) -> tuple[dict, dict]:
+                readers: Callable[[Hashable], Iterable[tuple[Hashable, bool]]]) -> tuple[dict, dict]:
     """(coordinate -> the arange/linspace it comes from, reader -> the coordinate it reads): every node
     reached from a source through ops that carry a position (carries_position), and the first readers
-    past them that compute from them (policy class infer or deny). `op(node)` is the node's canonical op; nodes are any IR's node names or objects."""
+    past them that compute from them (policy class infer or deny). `op(node)` is the node's canonical op,
+    `readers(node)` its readers, each with whether it reads the node as its data (not as indices, a mask,
+    a shape); nodes are any IR's node names or objects."""
     source_of, read = {}, {}
     stack = [n for n in nodes if op(n) in SOURCES]
     source_of.update((n, n) for n in stack)
     while stack:
         node = stack.pop()
-        for reader in readers(node):
+        for reader, as_data in readers(node):
             if reader in source_of:
                 continue
-            if carries_position(op(reader)):
+            if carries_position(op(reader), as_data):
                 source_of[reader] = source_of[node]
                 stack.append(reader)
-            elif getattr(POLICY.get(op(reader)), "op_class", None) in READERS_KEPT_FP32:
+            elif (as_data or op(reader) in SAMPLERS) and \
+                    getattr(POLICY.get(op(reader)), "op_class", None) in READERS_KEPT_FP32:
                 read.setdefault(reader, node)
     read = {reader: value for reader, value in read.items() if reader not in source_of}
     return source_of, read
 
 
 def keep_coordinates_fp32(nodes: Iterable[Hashable], op: Callable[[Hashable], str | None],
-                          readers: Callable[[Hashable], Iterable[Hashable]],
+                          readers: Callable[[Hashable], Iterable[tuple[Hashable, bool]]],
                           name: Callable[[Hashable], str] = str) -> Callable[[nx.DiGraph], None]:
     """The hook, for one IR's nodes (see coordinates()): the coordinates in the view run fp32, and so do
     the ops that compute from them; `name(node)` is the node's name in the view."""
