@@ -31,6 +31,7 @@ class AmpConfig:
     loss_scale_manager: Any
     rule_options: dict = field(default_factory=dict)
     cast_placement: bool = True     # move casts at fp32 islands' edges to where fewer bytes cross (place_casts)
+    devices: tuple = ()             # device types the model runs on ("cpu"): ops they have no low kernel for stay fp32
 
     @property
     def level_spec(self) -> Level:
@@ -43,7 +44,7 @@ class AmpConfig:
 
     def precision_rules(self) -> PrecisionRules:
         return PrecisionRules.build(self.level, self.low_dtype_name, keep_norm_fp32=self.keep_norm_fp32,
-                                    **self.rule_options)
+                                    devices=self.devices, **self.rule_options)
 
 
 def resolve_dtype(value) -> torch.dtype:

@@ -37,6 +37,7 @@ from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks, chec
 from amp_compiler.passes.painting.keep_constants_fp32 import keep_constant_paths_fp32
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline
 from amp_compiler.saved_decisions import preserve_decisions
+from amp_compiler.target_devices import target_devices
 from amp_compiler.passes.node_facts import facts
 
 
@@ -62,12 +63,14 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
                                      dynamic_shapes=dynamic_shapes, **overrides)
         return freeze_weights(converted) if freeze else converted
     gm = traced.graph_module
+    config.devices, devices_from = target_devices(model, example_inputs)   # ops they have no low kernel for stay fp32
     counts = run_pipeline(gm, config, example_inputs, calibration_data)
     gm.meta["amp"] = {
         "level": config.level, "requested_level": config.requested_level,
         "dtype": config.low_dtype_name, "frontend": traced.frontend, "leaf_modules": traced.leaves,
         "notes": traced.notes, "opaque": traced.opaque, "keep_io_types": config.keep_io_types, "casts": count_casts(gm),
         "pass_counts": counts, "loss_scale_manager": config.loss_scale_manager,
+        "devices": {"devices": list(config.devices), "from": devices_from},
     }
     preserve_decisions(gm)   # explain/render/compare keep working after torch.save / torch.load
     return freeze_weights(gm) if freeze else gm

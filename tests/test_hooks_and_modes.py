@@ -179,3 +179,43 @@ def test_models_that_do_not_read_training_keep_one_graph():
     graph = gm.graph
     gm.train()(torch.randn(2, 16))
     assert gm.graph is graph
+
+
+def test_hooks_the_export_front_end_inlines_are_named():
+    class ShapeBranch(nn.Module):   # fx cannot trace the branch on a shape: torch.export captures it
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.fc(x * 2 if x.shape[0] > 2 else x)
+
+    model = ShapeBranch()
+    model.fc.register_forward_hook(lambda module, args, output: output * 3)
+    x = torch.randn(8, 16)
+    with pytest.warns(HookWarning, match="forward hook on fc: torch.export ran it once at capture"):
+        gm = amp_compiler.convert(model, "O1", dtype=BF16, example_inputs=(x,))
+    assert gm.meta["amp"]["frontend"] == "torch.export"
+    assert relative_error(gm(x), model(x)) < TOLERANCE[BF16]   # its tensor operations are in the graph
+    assert any("DO NOT FIRE" in line for line in amp_compiler.explain(gm).summary_lines())
+
+
+class TrainingScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 if self.training else h
+
+
+def test_a_compiled_converted_module_follows_train_and_eval():
+    torch.manual_seed(0)
+    model, x = TrainingScale().eval(), torch.randn(8, 16)
+    gm = amp_compiler.convert(model, "O1", dtype=BF16, example_inputs=(x,))
+    compiled = torch.compile(gm)
+    for mode in (False, True, False):
+        gm.train(mode)
+        model.train(mode)
+        assert relative_error(compiled(x), model(x)) < TOLERANCE[BF16], f"training={mode}"

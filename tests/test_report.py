@@ -28,7 +28,8 @@ def gpt_o1(gpt):
 def test_report_opens_with_a_summary_and_folds_repeated_blocks(gpt_o1):
     text = str(explain(gpt_o1))
     lines = text.splitlines()
-    assert lines[0] == "amp-compiler report: level O1 (asked O1), float16, front end fx.symbolic_trace"
+    assert lines[0] == ("amp-compiler report: level O1 (asked O1), float16, front end fx.symbolic_trace, "
+                        "device cpu (from the model's parameters)")
     assert lines[1].startswith("nodes: ") and "float16" in lines[1] and "casts" in lines[1]
     assert lines[2].startswith("fp32 islands: ")
     assert "layers.[0-3].attention (x4): 3 nodes (mul, masked_fill, softmax); softmax: deny:" in text

@@ -13,6 +13,7 @@ Dropout), and only while they run their class's own forward: a subclass with its
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from unittest import mock
 
@@ -131,6 +132,7 @@ def _functions_traced_into(tracer: AmpTracer):
             continue
         original = frame[name]
 
+        @functools.wraps(original)   # fx records some calls as nodes (_assert_is_none): the op keeps its name
         def attempt(*args, _fn=original, _name=name, **kwargs):
             if _find_proxy(args, kwargs) is None:
                 return _fn(*args, **kwargs)

@@ -50,7 +50,7 @@ class PrecisionReport:
         """The opening lines alone (what the demo prints)."""
         s, t = self.summary, self.totals
         lines = [f"amp-compiler report: level {s.get('level')} (asked {s.get('requested_level')}), "
-                 f"{s.get('dtype')}, front end {s.get('frontend')}"]
+                 f"{s.get('dtype')}, front end {s.get('frontend')}{_devices(s)}"]
         lines.append(f"nodes: {self.counts()}")
         for warning in self.warnings:
             lines += wrapped("WARNING", [warning])
@@ -129,6 +129,12 @@ def _explain_graph(gm: fx.GraphModule, summary: dict) -> PrecisionReport:
     casts = sum(1 for node in gm.graph.nodes if is_cast(node))
     warnings = [facts(node)["warning"] for node in gm.graph.nodes if "warning" in facts(node)]
     return PrecisionReport(rows, _totals(rows, casts), dict(summary), islands, warnings=warnings)
+
+
+def _devices(summary: dict) -> str:
+    """", device cpu (from the model's parameters)": what the device overlays of the policy were applied for."""
+    devices = summary.get("devices")
+    return f", device {', '.join(devices['devices'])} (from {devices['from']})" if devices else ""
 
 
 def _totals(rows: list[dict], casts: int) -> dict:

@@ -51,12 +51,16 @@ ALIASES = {
     "t_copy": "t", "split_with_sizes": "split", "new_zeros": "zeros_like", "new_ones": "ones_like",
     "new_full": "full_like", "new_empty": "empty_like", "fill": "full_like",
     "amp_opaque_call": "opaque_call",
+    # operator.and_ / aten.__and__ (masks combined with &): the trailing underscore is Python's, not in-place
+    "and": "and_", "or": "or_", "not": "not_", "iand": "and_", "ior": "or_", "ixor": "xor",
 }
 _INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
                       "imatmul"}
 
 
 def _strip(name: str) -> str:
+    if name.startswith("__") and name.endswith("__") and len(name) > 4:   # operator dunders: aten.__and__
+        name = name[2:-2]
     name = name.lstrip("_")
     if name.endswith("_") and not name.endswith("__"):  # in-place spelling: add_ -> add
         name = name[:-1]

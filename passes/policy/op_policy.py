@@ -8,7 +8,8 @@ Classes (TensorFlow's auto-mixed-precision vocabulary):
   ignore - never painted and never cast: the output is not a floating tensor (shapes, indices, masks).
 
 Each entry has a family (what levels and reports group by) and a one-line reason. The bf16 overlay says
-where bf16 (fp32's exponent range, 8 bits of mantissa) needs less care than fp16. Levels O2/O3 are
+where bf16 (fp32's exponent range, 8 bits of mantissa) needs less care than fp16; a device overlay
+(DEVICE_OVERLAYS) denies, on a device, the ops it has no kernel for in a low dtype. Levels O2/O3 are
 expressed as re-classification by family in `passes.rules`, never as edits of this table.
 """
 from __future__ import annotations
@@ -64,6 +65,8 @@ _TABLE: list[OpRule] = [
     *_rules("deny", "reduction", "reductions accumulate many terms: fp16 overflows past 65504 and rounds",
             "sum prod cumsum cumprod logsumexp std var var_mean std_mean norm vector_norm matrix_norm "
             "frobenius_norm nuclear_norm renorm normalize cosine_similarity dist pdist cdist trace"),
+    *_rules("deny", "reduction", "weight normalisation divides by a weight's norm over all but one dim: a reduction "
+            "(autocast leaves it in its fp32 weights' dtype)", "weight_norm"),
     *_rules("deny", "resample", "interpolation weights sum many neighbours; autocast keeps it fp32",
             "interpolate upsample upsample_nearest1d upsample_nearest2d upsample_nearest3d "
             "upsample_linear1d upsample_bilinear2d upsample_bicubic2d upsample_trilinear3d grid_sample "
@@ -77,6 +80,8 @@ _TABLE: list[OpRule] = [
     *_rules("infer", "arithmetic", "pointwise arithmetic: exact up to rounding of its inputs",
             "add sub mul div true_divide neg rsub addcmul addcdiv lerp square sqrt clamp clip "
             "clamp_min clamp_max floordiv floor_divide mod remainder fmod"),
+    *_rules("infer", "arithmetic", "differences of neighbours: a subtraction, exact up to rounding of its inputs",
+            "diff"),
     *_rules("infer", "activation", "bounded or piecewise-linear activation: no overflow from fp16 inputs",
             "gelu silu sigmoid tanh hardtanh hardsigmoid hardswish mish elu selu celu leaky_relu "
             "logsigmoid softsign tanhshrink erf erfc"),
@@ -105,9 +110,18 @@ _TABLE: list[OpRule] = [
     *_rules("ignore", "metadata", "reads shape or dtype only; no floating output",
             "size dim numel shape getattr ndim ndimension is_floating_point is_contiguous stride "
             "sym_size sym_numel sym_stride device"),
+    *_rules("ignore", "metadata", "arithmetic on symbolic sizes (torch.export): integers, not tensors",
+            "sym_min sym_max sym_not sym_float sym_int sym_ite sym_sum sym_sqrt"),
+    *_rules("ignore", "assertion", "checks a value, shape or dtype the graph was captured with and returns nothing "
+            "to compute with: no math", "assert assert_is_none assert_async assert_scalar assert_tensor_metadata "
+            "functional_assert_async functional_assert_scalar check check_is_size sym_constrain_range "
+            "sym_constrain_range_for_size functional_sym_constrain_range functional_sym_constrain_range_for_size "
+            "make_dep_token"),
     *_rules("ignore", "comparison", "boolean output: nothing to cast",
             "eq ne lt le gt ge isnan isinf isfinite logical_and logical_or logical_not logical_xor "
-            "and_ or_ xor invert not_ bitwise_and bitwise_or bitwise_not equal allclose any all"),
+            "and_ or_ xor invert not_ bitwise_and bitwise_or bitwise_not bitwise_xor equal allclose any all"),
+    *_rules("ignore", "indices", "bit shifts of integers: integer output, nothing to cast",
+            "lshift rshift bitwise_left_shift bitwise_right_shift"),
     *_rules("ignore", "indices", "integer output: nothing to cast",
             "argmax argmin argsort nonzero bucketize searchsorted arange one_hot long int bool"),
     *_rules("ignore", "embedding", "a table lookup: the output takes the dtype of the weight it reads",
@@ -134,6 +148,25 @@ BF16_OVERLAY = {
 }
 
 
+# Ops a device has no low-precision kernel for: device type -> op -> (the low dtypes it lacks, why). Applied
+# (rules.py) after the level, so no level runs them low there; the user's own op lists still win.
+# tests/test_policy_coverage.py calls every op the table lets run low on CPU in each dtype to keep this true.
+DEVICE_OVERLAYS = {
+    "cpu": {
+        "avg_pool3d": (("float16", "bfloat16"), "no CPU kernel in {dtype} (autocast-CPU keeps avg_pool3d fp32)"),
+    },
+}
+
+
+def device_kept_fp32(op: str, low_dtype_name: str, devices=()) -> str | None:
+    """Why `op` stays fp32 on one of `devices` (device types) in `low_dtype_name`, or None."""
+    for device in devices:
+        dtypes, reason = DEVICE_OVERLAYS.get(device, {}).get(op, ((), ""))
+        if low_dtype_name in dtypes:
+            return f"{device}: {reason.format(dtype=low_dtype_name)}"
+    return None
+
+
 def _build(rules: list[OpRule]) -> MappingProxyType:
     table: dict[str, OpRule] = {}
     for rule in rules:
@@ -148,12 +181,17 @@ def _build(rules: list[OpRule]) -> MappingProxyType:
 POLICY = _build(_TABLE)
 
 
-def policy_for(low_dtype_name: str) -> dict[str, OpRule]:
-    """The table for one low-precision dtype ("float16" or "bfloat16"), overlay applied."""
+def policy_for(low_dtype_name: str, devices=()) -> dict[str, OpRule]:
+    """The table for one low-precision dtype ("float16" or "bfloat16"), overlay applied; with `devices`
+    (device types, "cpu"), ops those devices have no kernel for in that dtype are denied."""
     table = dict(POLICY)
     if low_dtype_name == "bfloat16":
         for op, (op_class, reason) in BF16_OVERLAY.items():
             table[op] = OpRule(op, op_class, table[op].family, reason)
+    for op, rule in table.items():
+        reason = device_kept_fp32(op, low_dtype_name, devices)
+        if reason is not None and rule.op_class != "ignore":
+            table[op] = OpRule(op, "deny", rule.family, reason)
     return table
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from amp_compiler.passes.fx.canonicalize import ALIASES
 from amp_compiler.passes.policy.levels import ALL_MIXED, Level, level_of
 from amp_compiler.passes.policy.names import check_known_names
-from amp_compiler.passes.policy.op_policy import OpRule, policy_for
+from amp_compiler.passes.policy.op_policy import OpRule, device_kept_fp32, policy_for
 
 # Families that keep_batchnorm_fp32 keeps in fp32 (Apex, MindSpore's O2), and that a level may keep fp32.
 NORM_FAMILIES = ("norm",)
@@ -54,7 +54,7 @@ class PrecisionRules:
     unlisted_ops: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, level: str, low_dtype: str, *, keep_norm_fp32: bool | None = None,
+    def build(cls, level: str, low_dtype: str, *, keep_norm_fp32: bool | None = None, devices=(),
               allow_ops=(), deny_ops=(), infer_ops=(), clear_ops=(),
               force_fp32=(), force_low=(), custom_ops=()) -> "PrecisionRules":
         spec = level_of(level)
@@ -63,6 +63,9 @@ class PrecisionRules:
         table = {}
         for op, rule in policy_for(low_dtype).items():
             op_class, reason = _level_class(rule, spec, keep_norm_fp32)
+            no_kernel = device_kept_fp32(op, low_dtype, devices)   # after the level: no level runs it low there
+            if no_kernel is not None and op_class != "ignore":
+                op_class, reason = "deny", no_kernel
             table[op] = (op_class, rule.family, reason)
         user_lists = {"allow": allow_ops, "deny": deny_ops, "infer": infer_ops, "clear": clear_ops}
         custom = set(_as_tuple(custom_ops, "custom_ops"))

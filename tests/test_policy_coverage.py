@@ -1,0 +1,364 @@
+"""issue 17: a decision never picks a dtype the target device has no kernel for.
+
+Every op the policy table lets run in low precision (allow, infer and clear, after the dtype overlay) is
+called on small CPU tensors of that dtype, in each spelling a graph can record (F.pad's modes,
+interpolate's modes, Tensor.unfold and F.unfold, ...). Either the kernel runs, or the CPU overlay of the
+table keeps that op fp32 for that dtype. An op the table lets run low that this file cannot call is a
+failure too: give it a sample below (or, when it is no kernel at all, a line in NOT_KERNELS).
+
+Beside it: torchvision's S3D (avg_pool3d, which no CPU kernel runs in bf16 or fp16) converted at O1 bf16
+on CPU runs, within 2x torch.autocast's error against fp32.
+"""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_compiler
+from amp_compiler.passes.policy.op_policy import DEVICE_OVERLAYS, policy_for
+from models.torchvision_ops import import_torchvision
+
+LOW_CLASSES = ("allow", "infer", "clear")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+KERNEL_DTYPE_NAMES = {"float16": "'Half'", "bfloat16": "'BFloat16'"}   # as ATen's "not implemented for" names them
+# Canonical ops the table lets run low that are no kernel of their own.
+NOT_KERNELS = {
+    "cond": "control flow: its branches' ops are painted (and called here) one by one",
+    "identity": "returns its input",
+}
+
+
+def r(*shape, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator).to(dtype)
+
+
+def idx(*shape, high):
+    return torch.randint(high, shape, generator=torch.Generator().manual_seed(1))
+
+
+def _module(make, *shape):
+    def call(d):
+        torch.manual_seed(0)
+        return make().to(d)(r(*shape, dtype=d))
+    return call
+
+
+# canonical op -> calls that reach each of its kernels, given the low dtype
+SAMPLES = {
+    # allow
+    "linear": [lambda d: F.linear(r(2, 4, dtype=d), r(3, 4, dtype=d), r(3, dtype=d))],
+    "matmul": [lambda d: r(2, 3, 4, dtype=d) @ r(4, 5, dtype=d)],
+    "mm": [lambda d: torch.mm(r(3, 4, dtype=d), r(4, 5, dtype=d))],
+    "bmm": [lambda d: torch.bmm(r(2, 3, 4, dtype=d), r(2, 4, 5, dtype=d))],
+    "mv": [lambda d: torch.mv(r(3, 4, dtype=d), r(4, dtype=d))],
+    "addmm": [lambda d: torch.addmm(r(3, 5, dtype=d), r(3, 4, dtype=d), r(4, 5, dtype=d))],
+    "addmv": [lambda d: torch.addmv(r(3, dtype=d), r(3, 4, dtype=d), r(4, dtype=d))],
+    "addr": [lambda d: torch.addr(r(3, 4, dtype=d), r(3, dtype=d), r(4, dtype=d))],
+    "addbmm": [lambda d: torch.addbmm(r(3, 5, dtype=d), r(2, 3, 4, dtype=d), r(2, 4, 5, dtype=d))],
+    "baddbmm": [lambda d: torch.baddbmm(r(2, 3, 5, dtype=d), r(2, 3, 4, dtype=d), r(2, 4, 5, dtype=d))],
+    "einsum": [lambda d: torch.einsum("bij,bjk->bik", r(2, 3, 4, dtype=d), r(2, 4, 5, dtype=d))],
+    "chain_matmul": [lambda d: torch.linalg.multi_dot([r(3, 4, dtype=d), r(4, 5, dtype=d), r(5, 2, dtype=d)])],
+    "multi_dot": [lambda d: torch.linalg.multi_dot([r(3, 4, dtype=d), r(4, 5, dtype=d), r(5, 2, dtype=d)])],
+    "bilinear": [lambda d: F.bilinear(r(2, 3, dtype=d), r(2, 4, dtype=d), r(5, 3, 4, dtype=d), r(5, dtype=d))],
+    "tensordot": [lambda d: torch.tensordot(r(2, 3, 4, dtype=d), r(3, 4, 5, dtype=d), dims=2)],
+    "conv1d": [lambda d: F.conv1d(r(1, 2, 8, dtype=d), r(3, 2, 3, dtype=d), r(3, dtype=d))],
+    "conv2d": [lambda d: F.conv2d(r(1, 2, 8, 8, dtype=d), r(3, 2, 3, 3, dtype=d), r(3, dtype=d)),
+               lambda d: F.conv2d(r(1, 4, 8, 8, dtype=d), r(4, 1, 3, 3, dtype=d), groups=4)],
+    "conv3d": [lambda d: F.conv3d(r(1, 2, 4, 6, 6, dtype=d), r(3, 2, 3, 3, 3, dtype=d), r(3, dtype=d))],
+    "conv_transpose1d": [lambda d: F.conv_transpose1d(r(1, 2, 8, dtype=d), r(2, 3, 3, dtype=d))],
+    "conv_transpose2d": [lambda d: F.conv_transpose2d(r(1, 2, 8, 8, dtype=d), r(2, 3, 3, 3, dtype=d))],
+    "conv_transpose3d": [lambda d: F.conv_transpose3d(r(1, 2, 4, 6, 6, dtype=d), r(2, 3, 3, 3, 3, dtype=d))],
+    "convolution": [lambda d: torch.convolution(r(1, 2, 8, 8, dtype=d), r(3, 2, 3, 3, dtype=d), None,
+                                                [1, 1], [1, 1], [1, 1], False, [0, 0], 1)],
+    "conv_tbc": [lambda d: torch.conv_tbc(r(8, 2, 3, dtype=d), r(3, 3, 4, dtype=d), r(4, dtype=d), 1)],
+    "scaled_dot_product_attention": [
+        lambda d: F.scaled_dot_product_attention(r(2, 2, 5, 8, dtype=d), r(2, 2, 5, 8, dtype=d), r(2, 2, 5, 8, dtype=d)),
+        lambda d: F.scaled_dot_product_attention(r(2, 2, 5, 8, dtype=d), r(2, 2, 5, 8, dtype=d), r(2, 2, 5, 8, dtype=d),
+                                                 attn_mask=r(5, 5, dtype=d), dropout_p=0.1)],
+    "prelu": [lambda d: F.prelu(r(2, 3, 4, dtype=d), r(3, dtype=d))],
+    "lstm": [_module(lambda: nn.LSTM(4, 3, batch_first=True), 2, 5, 4)],
+    "gru": [_module(lambda: nn.GRU(4, 3, bidirectional=True), 5, 2, 4)],
+    "rnn": [_module(lambda: nn.RNN(4, 3), 5, 2, 4)],
+    "rnn_tanh": [_module(lambda: nn.RNN(4, 3, nonlinearity="tanh"), 5, 2, 4)],
+    "rnn_relu": [_module(lambda: nn.RNN(4, 3, nonlinearity="relu"), 5, 2, 4)],
+    "lstm_cell": [_module(lambda: nn.LSTMCell(4, 3), 2, 4)],
+    "gru_cell": [_module(lambda: nn.GRUCell(4, 3), 2, 4)],
+    "rnn_tanh_cell": [_module(lambda: nn.RNNCell(4, 3), 2, 4)],
+    "rnn_relu_cell": [_module(lambda: nn.RNNCell(4, 3, nonlinearity="relu"), 2, 4)],
+    # infer: arithmetic
+    "add": [lambda d: r(2, 3, dtype=d) + r(3, dtype=d), lambda d: r(2, 3, dtype=d).add(2.5, alpha=2)],
+    "sub": [lambda d: r(2, 3, dtype=d) - r(3, dtype=d)],
+    "rsub": [lambda d: torch.rsub(r(2, 3, dtype=d), 1.0)],
+    "mul": [lambda d: r(2, 3, dtype=d) * r(3, dtype=d)],
+    "div": [lambda d: r(2, 3, dtype=d) / r(3, dtype=d), lambda d: torch.div(r(2, 3, dtype=d), 2, rounding_mode="floor")],
+    "true_divide": [lambda d: torch.true_divide(r(2, 3, dtype=d), r(3, dtype=d))],
+    "floordiv": [lambda d: operator.floordiv(r(2, 3, dtype=d), r(3, dtype=d))],
+    "floor_divide": [lambda d: torch.floor_divide(r(2, 3, dtype=d), r(3, dtype=d))],
+    "mod": [lambda d: operator.mod(r(2, 3, dtype=d), 0.7)],
+    "remainder": [lambda d: torch.remainder(r(2, 3, dtype=d), r(3, dtype=d))],
+    "fmod": [lambda d: torch.fmod(r(2, 3, dtype=d), 0.7)],
+    "neg": [lambda d: torch.neg(r(2, 3, dtype=d))],
+    "addcmul": [lambda d: torch.addcmul(r(2, 3, dtype=d), r(2, 3, dtype=d), r(2, 3, dtype=d), value=0.5)],
+    "addcdiv": [lambda d: torch.addcdiv(r(2, 3, dtype=d), r(2, 3, dtype=d), r(2, 3, dtype=d) + 3, value=0.5)],
+    "lerp": [lambda d: torch.lerp(r(2, 3, dtype=d), r(2, 3, dtype=d), 0.3),
+             lambda d: torch.lerp(r(2, 3, dtype=d), r(2, 3, dtype=d), r(2, 3, dtype=d))],
+    "square": [lambda d: torch.square(r(2, 3, dtype=d))],
+    "sqrt": [lambda d: torch.sqrt(r(2, 3, dtype=d).abs())],
+    "clamp": [lambda d: torch.clamp(r(2, 3, dtype=d), -0.5, 0.5),
+              lambda d: torch.clamp(r(2, 3, dtype=d), r(2, 3, dtype=d), r(2, 3, dtype=d) + 1)],
+    "clip": [lambda d: torch.clip(r(2, 3, dtype=d), -0.5, 0.5)],
+    "clamp_min": [lambda d: torch.clamp_min(r(2, 3, dtype=d), 0.1)],
+    "clamp_max": [lambda d: torch.clamp_max(r(2, 3, dtype=d), 0.1)],
+    "diff": [lambda d: torch.diff(r(2, 5, dtype=d), dim=-1)],
+    "pow": [lambda d: torch.pow(r(2, 3, dtype=d), 2), lambda d: torch.pow(r(2, 3, dtype=d).abs(), r(2, 3, dtype=d)),
+            lambda d: torch.pow(2.0, r(2, 3, dtype=d))],
+    "exp2": [lambda d: torch.exp2(r(2, 3, dtype=d))],
+    # infer: activations and bounded functions
+    **{name: [lambda d, f=getattr(F, name): f(r(2, 3, 4, dtype=d))]
+       for name in ("gelu", "silu", "sigmoid", "tanh", "hardtanh", "hardsigmoid", "hardswish", "mish", "elu",
+                    "selu", "celu", "leaky_relu", "logsigmoid", "softsign", "tanhshrink")},
+    **{name: [lambda d, f=getattr(torch, name): f(r(2, 3, 4, dtype=d))] for name in ("erf", "erfc", "sin", "cos", "atan")},
+    "atan2": [lambda d: torch.atan2(r(2, 3, dtype=d), r(2, 3, dtype=d))],
+    # infer: averages
+    "avg_pool1d": [lambda d: F.avg_pool1d(r(1, 2, 8, dtype=d), 2)],
+    "avg_pool2d": [lambda d: F.avg_pool2d(r(1, 2, 8, 8, dtype=d), 2),
+                   lambda d: F.avg_pool2d(r(1, 2, 8, 8, dtype=d).to(memory_format=torch.channels_last), 3, 1, 1)],
+    "avg_pool3d": [lambda d: F.avg_pool3d(r(1, 2, 4, 8, 8, dtype=d), 2),
+                   lambda d: F.avg_pool3d(r(1, 2, 4, 8, 8, dtype=d).to(memory_format=torch.channels_last_3d), 2)],
+    "adaptive_avg_pool1d": [lambda d: F.adaptive_avg_pool1d(r(1, 2, 8, dtype=d), 3)],
+    "adaptive_avg_pool2d": [lambda d: F.adaptive_avg_pool2d(r(1, 2, 8, 8, dtype=d), 1),
+                            lambda d: F.adaptive_avg_pool2d(r(1, 2, 8, 8, dtype=d), 3)],
+    "adaptive_avg_pool3d": [lambda d: F.adaptive_avg_pool3d(r(1, 2, 4, 8, 8, dtype=d), 1),
+                            lambda d: F.adaptive_avg_pool3d(r(1, 2, 4, 8, 8, dtype=d), 3)],
+    "mean": [lambda d: r(2, 3, 4, dtype=d).mean(), lambda d: r(2, 3, 4, dtype=d).mean(dim=(1, 2), keepdim=True)],
+    # resampling (infer in bf16 only)
+    "interpolate": [lambda d, mode=mode, shape=shape: F.interpolate(r(1, 2, *shape, dtype=d), scale_factor=2, mode=mode)
+                    for mode, shape in (("nearest", (4, 4)), ("nearest-exact", (4, 4)), ("bilinear", (4, 4)),
+                                        ("bicubic", (4, 4)), ("linear", (4,)), ("trilinear", (2, 4, 4)),
+                                        ("nearest", (2, 4, 4)), ("area", (4, 4)))],
+    "upsample_nearest2d": [lambda d: F.interpolate(r(1, 2, 4, 4, dtype=d), scale_factor=2)],
+    "upsample_bilinear2d": [lambda d: F.interpolate(r(1, 2, 4, 4, dtype=d), scale_factor=2, mode="bilinear",
+                                                    align_corners=True)],
+    # clear: data movement
+    "view": [lambda d: r(2, 6, dtype=d).view(3, 4)],
+    "reshape": [lambda d: r(2, 6, dtype=d).reshape(3, 4)],
+    "flatten": [lambda d: r(2, 3, 4, dtype=d).flatten(1)],
+    "unflatten": [lambda d: r(2, 12, dtype=d).unflatten(1, (3, 4))],
+    "squeeze": [lambda d: r(2, 1, 3, dtype=d).squeeze(1)],
+    "unsqueeze": [lambda d: r(2, 3, dtype=d).unsqueeze(0)],
+    "transpose": [lambda d: r(2, 3, dtype=d).transpose(0, 1)],
+    "permute": [lambda d: r(2, 3, 4, dtype=d).permute(2, 0, 1)],
+    "t": [lambda d: r(2, 3, dtype=d).t()],
+    "contiguous": [lambda d: r(2, 3, dtype=d).t().contiguous()],
+    "expand": [lambda d: r(1, 3, dtype=d).expand(4, 3)],
+    "expand_as": [lambda d: r(1, 3, dtype=d).expand_as(r(4, 3, dtype=d))],
+    "repeat": [lambda d: r(2, 3, dtype=d).repeat(2, 1)],
+    "tile": [lambda d: torch.tile(r(2, 3, dtype=d), (2,))],
+    "narrow": [lambda d: r(4, 3, dtype=d).narrow(0, 1, 2)],
+    "select": [lambda d: r(4, 3, dtype=d).select(0, 1)],
+    "slice": [lambda d: r(4, 3, dtype=d)[1:3]],
+    "getitem": [lambda d: r(4, 3, dtype=d)[1]],
+    "split": [lambda d: r(4, 3, dtype=d).split(2)],
+    "chunk": [lambda d: r(4, 3, dtype=d).chunk(2)],
+    "unbind": [lambda d: r(4, 3, dtype=d).unbind(0)],
+    "cat": [lambda d: torch.cat([r(2, 3, dtype=d), r(2, 3, dtype=d)])],
+    "concat": [lambda d: torch.concat([r(2, 3, dtype=d), r(2, 3, dtype=d)])],
+    "concatenate": [lambda d: torch.concatenate([r(2, 3, dtype=d), r(2, 3, dtype=d)])],
+    "stack": [lambda d: torch.stack([r(2, 3, dtype=d), r(2, 3, dtype=d)])],
+    "hstack": [lambda d: torch.hstack([r(2, 3, dtype=d), r(2, 3, dtype=d)])],
+    "vstack": [lambda d: torch.vstack([r(2, 3, dtype=d), r(2, 3, dtype=d)])],
+    "flip": [lambda d: torch.flip(r(2, 3, dtype=d), (1,))],
+    "roll": [lambda d: torch.roll(r(2, 3, dtype=d), 1, 1)],
+    "movedim": [lambda d: torch.movedim(r(2, 3, 4, dtype=d), 0, 2)],
+    "swapaxes": [lambda d: torch.swapaxes(r(2, 3, dtype=d), 0, 1)],
+    "unfold": [lambda d: r(2, 8, dtype=d).unfold(1, 3, 2), lambda d: F.unfold(r(1, 2, 6, 6, dtype=d), 3)],
+    "pad": [lambda d, mode=mode, shape=shape: F.pad(r(1, 2, *shape, dtype=d), (1, 1) * len(shape), mode=mode)
+            for mode in ("constant", "reflect", "replicate", "circular") for shape in ((6,), (6, 6), (4, 6, 6))],
+    "pixel_shuffle": [lambda d: F.pixel_shuffle(r(1, 8, 3, 3, dtype=d), 2)],
+    "pixel_unshuffle": [lambda d: F.pixel_unshuffle(r(1, 2, 4, 4, dtype=d), 2)],
+    "channel_shuffle": [lambda d: F.channel_shuffle(r(1, 4, 3, 3, dtype=d), 2),
+                        lambda d: nn.ChannelShuffle(2)(r(1, 4, 3, 3, dtype=d))],
+    "clone": [lambda d: r(2, 3, dtype=d).clone()],
+    "detach": [lambda d: r(2, 3, dtype=d).detach()],
+    "alias": [lambda d: torch.ops.aten.alias(r(2, 3, dtype=d))],
+    "view_as": [lambda d: r(2, 6, dtype=d).view_as(r(3, 4, dtype=d))],
+    "reshape_as": [lambda d: r(2, 6, dtype=d).reshape_as(r(3, 4, dtype=d))],
+    "index_select": [lambda d: torch.index_select(r(4, 3, dtype=d), 0, idx(5, high=4))],
+    "gather": [lambda d: torch.gather(r(4, 3, dtype=d), 1, idx(4, 2, high=3))],
+    "take": [lambda d: torch.take(r(4, 3, dtype=d), idx(5, high=12))],
+    "take_along_dim": [lambda d: torch.take_along_dim(r(4, 3, dtype=d), idx(4, 2, high=3), dim=1)],
+    "masked_select": [lambda d: torch.masked_select(r(4, 3, dtype=d), r(4, 3, dtype=torch.float32) > 0)],
+    "index": [lambda d: r(4, 3, dtype=d)[idx(5, high=4)], lambda d: r(4, 3, dtype=d)[r(4, 3, dtype=torch.float32) > 0]],
+    "diagonal": [lambda d: torch.diagonal(r(4, 4, dtype=d))],
+    "tril": [lambda d: torch.tril(r(4, 4, dtype=d))],
+    "triu": [lambda d: torch.triu(r(4, 4, dtype=d))],
+    # clear: selection
+    "relu": [lambda d: F.relu(r(2, 3, dtype=d))],
+    "relu6": [lambda d: F.relu6(r(2, 3, dtype=d))],
+    "threshold": [lambda d: F.threshold(r(2, 3, dtype=d), 0.1, 0.0)],
+    "hardshrink": [lambda d: F.hardshrink(r(2, 3, dtype=d))],
+    "softshrink": [lambda d: F.softshrink(r(2, 3, dtype=d))],
+    "max": [lambda d: r(2, 3, dtype=d).max(), lambda d: r(2, 3, dtype=d).max(dim=1),
+            lambda d: torch.max(r(2, 3, dtype=d), r(2, 3, dtype=d))],
+    "min": [lambda d: r(2, 3, dtype=d).min(), lambda d: r(2, 3, dtype=d).min(dim=1)],
+    "amax": [lambda d: r(2, 3, dtype=d).amax(1)],
+    "amin": [lambda d: r(2, 3, dtype=d).amin(1)],
+    "maximum": [lambda d: torch.maximum(r(2, 3, dtype=d), r(2, 3, dtype=d))],
+    "minimum": [lambda d: torch.minimum(r(2, 3, dtype=d), r(2, 3, dtype=d))],
+    "max_pool1d": [lambda d: F.max_pool1d(r(1, 2, 8, dtype=d), 2)],
+    "max_pool2d": [lambda d: F.max_pool2d(r(1, 2, 8, 8, dtype=d), 3, 2, 1),
+                   lambda d: F.max_pool2d(r(1, 2, 8, 8, dtype=d), 2, return_indices=True)],
+    "max_pool3d": [lambda d: F.max_pool3d(r(1, 2, 4, 8, 8, dtype=d), 2),
+                   lambda d: F.max_pool3d(r(1, 2, 4, 8, 8, dtype=d), 2, return_indices=True)],
+    "adaptive_max_pool1d": [lambda d: F.adaptive_max_pool1d(r(1, 2, 8, dtype=d), 3)],
+    "adaptive_max_pool2d": [lambda d: F.adaptive_max_pool2d(r(1, 2, 8, 8, dtype=d), 3)],
+    "adaptive_max_pool3d": [lambda d: F.adaptive_max_pool3d(r(1, 2, 4, 8, 8, dtype=d), 3)],
+    "where": [lambda d: torch.where(r(2, 3, dtype=torch.float32) > 0, r(2, 3, dtype=d), r(2, 3, dtype=d))],
+    "masked_fill": [lambda d: r(2, 3, dtype=d).masked_fill(r(2, 3, dtype=torch.float32) > 0, -1e4)],
+    **{name: [lambda d, f=getattr(F, name): f(r(2, 4, 3, 3, dtype=d), 0.3, training=True)]
+       for name in ("dropout", "dropout2d", "alpha_dropout", "feature_alpha_dropout")},
+    "dropout1d": [lambda d: F.dropout1d(r(2, 4, 3, dtype=d), 0.3, training=True)],
+    "dropout3d": [lambda d: F.dropout3d(r(2, 4, 3, 3, 3, dtype=d), 0.3, training=True)],
+    **{name: [lambda d, f=getattr(torch, name): f(r(2, 3, dtype=d))]
+       for name in ("abs", "sign", "round", "floor", "ceil", "trunc", "nan_to_num", "zeros_like", "ones_like",
+                    "empty_like", "rand_like", "randn_like")},
+    "full_like": [lambda d: torch.full_like(r(2, 3, dtype=d), 2.0)],
+    "sort": [lambda d: torch.sort(r(2, 5, dtype=d), dim=1)],
+    "topk": [lambda d: torch.topk(r(2, 5, dtype=d), 2)],
+    "kthvalue": [lambda d: torch.kthvalue(r(2, 5, dtype=d), 2)],
+    "median": [lambda d: torch.median(r(2, 5, dtype=d)), lambda d: torch.median(r(2, 5, dtype=d), dim=1)],
+    "scatter": [lambda d: torch.scatter(r(4, 3, dtype=d), 0, idx(2, 3, high=4), r(2, 3, dtype=d))],
+    "scatter_add": [lambda d: torch.scatter_add(r(4, 3, dtype=d), 0, idx(2, 3, high=4), r(2, 3, dtype=d))],
+    "scatter_reduce": [lambda d: torch.scatter_reduce(r(4, 3, dtype=d), 0, idx(2, 3, high=4), r(2, 3, dtype=d),
+                                                      "amax")],
+    "index_add": [lambda d: torch.index_add(r(4, 3, dtype=d), 0, idx(5, high=4), r(5, 3, dtype=d))],
+    "index_put": [lambda d: r(4, 3, dtype=d).index_put((idx(2, high=4),), r(2, 3, dtype=d))],
+    "index_copy": [lambda d: torch.index_copy(r(4, 3, dtype=d), 0, torch.tensor([2, 0]), r(2, 3, dtype=d))],
+    "masked_scatter": [lambda d: r(4, 3, dtype=d).masked_scatter(r(4, 3, dtype=torch.float32) > 0, r(4, 3, dtype=d))],
+}
+
+
+def _low_ops(dtype_name: str) -> list[str]:
+    return sorted(op for op, rule in policy_for(dtype_name).items() if rule.op_class in LOW_CLASSES)
+
+
+def _kept_fp32_on_cpu(op: str, dtype_name: str) -> bool:
+    return policy_for(dtype_name, devices=("cpu",))[op].op_class not in LOW_CLASSES
+
+
+def _missing_kernel(call, dtype_name: str) -> str | None:
+    """The error that says the CPU has no kernel for this dtype, or None when the call runs. Any other error
+    is the sample's own mistake: raised, never taken for a missing kernel."""
+    try:
+        with torch.no_grad():
+            call(DTYPES[dtype_name])
+    except (RuntimeError, NotImplementedError) as error:
+        if "not implemented for" in str(error) and KERNEL_DTYPE_NAMES[dtype_name] in str(error):
+            return str(error).splitlines()[0][:120]
+        raise
+    return None
+
+
+def test_every_op_the_table_runs_low_has_a_sample_here():
+    missing = [op for name in DTYPES for op in _low_ops(name) if op not in SAMPLES and op not in NOT_KERNELS]
+    assert not missing, f"ops the table lets run low with no sample call in this file: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_every_op_the_table_runs_low_has_a_cpu_kernel_or_stays_fp32_on_cpu(dtype_name):
+    """The kernel runs in the low dtype on CPU (each spelling), or the CPU overlay keeps the op fp32 there."""
+    no_kernel = {}
+    for op in _low_ops(dtype_name):
+        for call in SAMPLES.get(op, ()):
+            why = _missing_kernel(call, dtype_name)
+            if why:
+                no_kernel[op] = why
+                break
+    wrong = {op: why for op, why in no_kernel.items() if not _kept_fp32_on_cpu(op, dtype_name)}
+    assert not wrong, f"{dtype_name} ops with no CPU kernel that the CPU overlay lets run low: {wrong}"
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_the_cpu_overlay_keeps_fp32_only_ops_that_have_no_kernel(dtype_name):
+    """The overlay is no blanket: each op it keeps fp32 in a dtype fails there (otherwise it costs speed)."""
+    for op, (dtypes, _reason) in DEVICE_OVERLAYS["cpu"].items():
+        if dtype_name not in dtypes or policy_for(dtype_name)[op].op_class not in LOW_CLASSES:
+            continue
+        failed = any(_missing_kernel(call, dtype_name) for call in SAMPLES[op])
+        assert failed, f"{op} runs in {dtype_name} on CPU: the CPU overlay need not keep it fp32"
+
+
+def test_the_cpu_overlay_applies_only_on_cpu_and_wins_over_the_level():
+    from amp_compiler.config import make_config
+    for level in ("O1", "O2", "O3"):
+        config = make_config(level, dtype=torch.bfloat16)
+        assert config.precision_rules().classify("avg_pool3d")[0] != "deny"
+        config.devices = ("cpu",)
+        klass, _family, reason = config.precision_rules().classify("avg_pool3d")
+        assert klass == "deny" and "cpu" in reason, (level, reason)
+    config = make_config("O1", dtype=torch.bfloat16, infer_ops=["avg_pool3d"])
+    config.devices = ("cpu",)
+    assert config.precision_rules().classify("avg_pool3d")[0] == "infer", "the user's own op list wins"
+
+
+class Pool3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(F.avg_pool3d(self.conv(x), 2).mean(dim=(2, 3, 4)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_a_cpu_model_keeps_avg_pool3d_fp32_and_runs(dtype):
+    torch.manual_seed(0)
+    model, x = Pool3d().eval(), torch.randn(1, 3, 4, 8, 8)
+    gm = amp_compiler.convert(model, "O1", dtype=dtype, example_inputs=(x,))
+    with torch.no_grad():
+        out = gm(x)
+    assert torch.allclose(out, model(x), atol=5e-2)
+    assert gm.meta["amp"]["devices"] == {"devices": ["cpu"], "from": "the model's parameters"}
+    rows = [row for row in amp_compiler.explain(gm).rows if row["op"] == "avg_pool3d"]
+    assert rows and all(row["dtype"] == "float32" and "cpu" in row["rule"] for row in rows)
+    assert "device cpu" in str(amp_compiler.explain(gm)).splitlines()[0]
+
+
+def test_a_model_without_parameters_takes_the_device_of_its_example_inputs():
+    gm = amp_compiler.convert(nn.AvgPool3d(2), "O1", dtype=torch.bfloat16, example_inputs=(torch.randn(1, 2, 4, 4, 4),))
+    assert gm.meta["amp"]["devices"] == {"devices": ["cpu"], "from": "the example inputs"}
+
+
+def _s3d_error_ratio() -> tuple[float, float]:
+    """(our error, autocast's) against fp32: torchvision S3D, random init, bf16 on CPU."""
+    torchvision = import_torchvision()
+    torch.manual_seed(0)
+    model = torchvision.models.video.s3d(weights=None, num_classes=10).eval()
+    # Its last average pool (2x7x7) needs 16x224x224 clips (30 s here): a 1x2x2 window on 8x64x64 clips runs
+    # the same avg_pool3d kernel
+    model.avgpool = nn.AvgPool3d((1, 2, 2), stride=1)
+    x = torch.randn(1, 3, 8, 64, 64, generator=torch.Generator().manual_seed(1))
+    gm = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,))
+    with torch.no_grad():
+        reference = model(x)
+        ours = gm(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(x).float()
+    scale = reference.abs().max()
+    return float((ours - reference).abs().max() / scale), float((autocast - reference).abs().max() / scale)
+
+
+def test_torchvision_s3d_runs_at_o1_bf16_on_cpu_within_twice_autocasts_error():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ours, autocast = _s3d_error_ratio()
+    finally:
+        torch.set_num_threads(threads)
+    assert ours <= max(2 * autocast, 2.0 ** -8), (ours, autocast)   # floor: one bf16 rounding
