@@ -35,6 +35,7 @@ from amp_compiler.passes.fx.place_casts import FxCastPlacement
 from amp_compiler.passes.fx.propagate_values import propagate_values
 from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks, check_calibration_data
 from amp_compiler.passes.painting.keep_constants_fp32 import keep_constant_paths_fp32
+from amp_compiler.passes.painting.keep_phases_fp32 import keep_phases_fp32
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline
 from amp_compiler.saved_decisions import preserve_decisions
 from amp_compiler.target_devices import target_devices
@@ -115,7 +116,8 @@ def _decide(state: FxState) -> PassResult:
     constants = keep_constant_paths_fp32(constants_beyond_range(state.gm, state.low),   # -3.4e38 fills stay fp32
                                          magnitude_carriers(state.gm, state.low), rules.low_dtype)
     coordinates = keep_fx_coordinates_fp32(state.gm)   # positions from arange (RAFT's coords) stay fp32
-    hooks = (constants, coordinates, *calibrated_hooks(state.gm.graph.nodes, state.low))   # calibrated: the ranges decide too
+    phases = keep_phases_fp32({n.name: facts(n).get("op") for n in state.gm.graph.nodes}.get)   # sin/cos arguments
+    hooks = (constants, coordinates, phases, *calibrated_hooks(state.gm.graph.nodes, state.low))   # calibrated: the ranges decide too
     placement = FxCastPlacement(state.gm, rules, state.config.keep_io_types) if state.config.cast_placement else None
     result = decide_fx_precision(state.gm, rules, painted=(*hooks, placement) if placement else hooks)
     if placement is not None:   # after calibration: casts move around the precisions the ranges allow
