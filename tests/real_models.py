@@ -39,7 +39,7 @@ PYG_FEATURES, PYG_CLASSES = 64, 7
 @dataclass(frozen=True)
 class RealModel:
     name: str
-    family: str                                    # transformers, torchvision, timm, pyg, torch.nn
+    family: str                                    # transformers, torchvision, timm, pyg, diffusers, torch.nn
     builder: Callable[[], nn.Module]
     make_inputs: Callable[[int], tuple]            # size (batch, or graph node count) -> positional inputs
     output: Callable[[Any], torch.Tensor]          # model output -> the tensor compared numerically
@@ -238,6 +238,23 @@ def _vit_hf() -> nn.Module:
                num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=10)
 
 
+def _clip() -> nn.Module:
+    """Text and vision towers, contrastive logits: batch appears on both sides of logits_per_image."""
+    return _hf("CLIPModel", "CLIPConfig", "sdpa", projection_dim=16,
+               text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=2, max_position_embeddings=16, bos_token_id=1, eos_token_id=2),
+               vision_config=dict(image_size=IMAGE, patch_size=8, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2))
+
+
+def clip_inputs(size: int) -> tuple:
+    return _tokens(size), torch.randn(size, 3, IMAGE, IMAGE, generator=_generator(size, salt=2))
+
+
+def logits_per_image(out) -> torch.Tensor:
+    return out.logits_per_image
+
+
 WHISPER_MELS, WHISPER_POSITIONS = 16, 16
 
 
@@ -428,6 +445,44 @@ class FinfoMaskedAttention(nn.Module):
         return self.head(self.norm(h + torch.softmax(scores, -1) @ v))
 
 
+# ------------------------------------------------------------------------------------------- diffusers
+UNET_CHANNELS, UNET_TEXT, UNET_TEXT_DIM = 4, 6, 32
+
+
+def _unet_conditional() -> nn.Module:
+    """The Stable Diffusion denoiser's architecture: GroupNorm, sin/cos timestep embedding, cross-attention."""
+    from diffusers import UNet2DConditionModel
+    return UNet2DConditionModel(sample_size=16, in_channels=UNET_CHANNELS, out_channels=UNET_CHANNELS,
+                                block_out_channels=(32, 64), layers_per_block=1,
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+                                cross_attention_dim=UNET_TEXT_DIM, attention_head_dim=8, norm_num_groups=8)
+
+
+def unet_conditional_inputs(size: int) -> tuple:
+    generator = _generator(size, salt=3)
+    return (torch.randn(size, UNET_CHANNELS, 16, 16, generator=generator),
+            torch.randint(0, 1000, (size,), generator=generator),
+            torch.randn(size, UNET_TEXT, UNET_TEXT_DIM, generator=generator))
+
+
+def _unet_unconditional() -> nn.Module:
+    """DDPM-style UNet: self-attention only, sin/cos timestep embedding, no text."""
+    from diffusers import UNet2DModel
+    return UNet2DModel(sample_size=8, in_channels=3, out_channels=3, block_out_channels=(16, 32), layers_per_block=1,
+                       down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+                       attention_head_dim=8, norm_num_groups=8)
+
+
+def unet_unconditional_inputs(size: int) -> tuple:
+    generator = _generator(size, salt=4)
+    return torch.randn(size, 3, 8, 8, generator=generator), torch.randint(0, 1000, (size,), generator=generator)
+
+
+def denoised_sample(out) -> torch.Tensor:
+    return out.sample
+
+
 # ---------------------------------------------------------------------------------------- training data
 def _class_label(classes: int) -> Callable[[int], torch.Tensor]:
     return lambda size: torch.randint(classes, (size,), generator=_generator(size, salt=7))
@@ -469,6 +524,7 @@ _ALL = [
     RealModel("hf_distilbert", "transformers", _distilbert, text_inputs, last_hidden_state),
     RealModel("hf_vit", "transformers", _vit_hf, image_inputs, logits),
     RealModel("hf_whisper", "transformers", _whisper, whisper_inputs, last_hidden_state),
+    RealModel("hf_clip", "transformers", _clip, clip_inputs, logits_per_image),
     RealModel("hf_wav2vec2", "transformers", _wav2vec2, audio_inputs, logits),
     RealModel("hf_deberta_v2", "transformers", _deberta_v2, text_inputs, last_hidden_state),
     # torchvision
@@ -492,6 +548,9 @@ _ALL = [
     RealModel("pyg_gcn", "pyg", GCN, graph_inputs, tensor, sizes=(140, 97),
               loss_fn=_nll, make_label=_class_label(PYG_CLASSES)),
     RealModel("pyg_gat", "pyg", GAT, graph_inputs, tensor, sizes=(140, 97)),
+    # diffusers
+    RealModel("diffusers_unet2d_condition", "diffusers", _unet_conditional, unet_conditional_inputs, denoised_sample),
+    RealModel("diffusers_unet2d", "diffusers", _unet_unconditional, unet_unconditional_inputs, denoised_sample),
     # torch.nn
     RealModel("nn_lstm", "torch.nn", LSTMClassifier, sequence_inputs, first),
     RealModel("nn_gru", "torch.nn", GRUTagger, sequence_inputs, tensor),
