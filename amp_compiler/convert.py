@@ -33,6 +33,7 @@ from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
 from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
 from amp_compiler.passes.fx.place_casts import FxCastPlacement
 from amp_compiler.passes.fx.propagate_values import propagate_values
+from amp_compiler.passes.fx.routing import keep_routing_fp32
 from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks, check_calibration_data
 from amp_compiler.passes.painting.keep_constants_fp32 import keep_constant_paths_fp32
 from amp_compiler.passes.painting.keep_phases_fp32 import keep_phases_fp32
@@ -117,7 +118,8 @@ def _decide(state: FxState) -> PassResult:
                                          magnitude_carriers(state.gm, state.low), rules.low_dtype)
     coordinates = keep_fx_coordinates_fp32(state.gm)   # positions from arange (RAFT's coords) stay fp32
     phases = keep_phases_fp32({n.name: facts(n).get("op") for n in state.gm.graph.nodes}.get)   # sin/cos arguments
-    hooks = (constants, coordinates, phases, *calibrated_hooks(state.gm.graph.nodes, state.low))   # calibrated: the ranges decide too
+    routing = keep_routing_fp32(state.gm)   # top-k scores and scatter-add buffers (MoE routing) stay fp32
+    hooks = (constants, coordinates, phases, routing, *calibrated_hooks(state.gm.graph.nodes, state.low))   # calibrated: the ranges decide too
     placement = FxCastPlacement(state.gm, rules, state.config.keep_io_types) if state.config.cast_placement else None
     result = decide_fx_precision(state.gm, rules, painted=(*hooks, placement) if placement else hooks)
     if placement is not None:   # after calibration: casts move around the precisions the ranges allow
