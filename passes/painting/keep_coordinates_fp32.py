@@ -35,7 +35,7 @@ def carries_position(op: str | None, as_data: bool = True) -> bool:
     the positions as data: not `x[arange(n)]` or gather(x, 0, idx), which read them as indices."""
     rule = POLICY.get(op)
     if rule is None or op in FACTORIES_LIKE:     # unknown ops; a tensor shaped like the positions, not computed from them
-        return op == "meshgrid" and as_data      # meshgrid: a grid of its inputs
+        return False
     if rule.family in ("arithmetic", "user_cast"):
         return True
     return as_data and rule.op_class == "clear" and rule.family != "control_flow"

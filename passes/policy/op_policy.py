@@ -97,7 +97,7 @@ _TABLE: list[OpRule] = [
             "expand_as repeat tile narrow select slice getitem split chunk unbind cat concat concatenate stack "
             "hstack vstack flip roll movedim swapaxes unfold pad pixel_shuffle pixel_unshuffle "
             "channel_shuffle clone detach alias view_as reshape_as index_select gather take masked_select "
-            "index take_along_dim diagonal tril triu"),
+            "index take_along_dim diagonal tril triu meshgrid"),
     *_rules("clear", "selection", "picks or zeroes values without arithmetic",
             "relu relu6 threshold hardshrink softshrink max min amax amin maximum minimum max_pool1d "
             "max_pool2d max_pool3d adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d where "
