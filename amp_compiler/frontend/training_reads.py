@@ -33,11 +33,13 @@ def training_reads_recorded(root: nn.Module, skip: Callable[[nn.Module], bool]) 
         if skip(module) or isinstance(module, torch.jit.ScriptModule):
             continue
         cls = type(module)
+        if any("training" in vars(base) for base in cls.__mro__):   # already a descriptor of its own
+            continue
         try:
             if cls not in classes:
                 classes[cls] = _recording_class(cls, reads)
             module.__class__ = classes[cls]
-        except TypeError:   # a class that cannot be subclassed or swapped: its reads go unrecorded
+        except Exception:  # noqa: BLE001 - a class that cannot be subclassed or swapped: its reads go unrecorded
             continue
         swapped.append((module, cls))
     try:
@@ -107,6 +109,8 @@ def _deepcopy_following_flags(self, memo):
 @torch._dynamo.disable   # capturing runs eagerly, also inside torch.compile
 def _switch_graph(gm: fx.GraphModule) -> None:
     cls = type(gm)
+    # The current graph as it is now (freeze() may have added its weight copies since it was captured).
+    cls._amp_graphs = [s for s in cls._amp_graphs if s["graph"] is not gm.graph] + [_snapshot(gm, gm, cls._amp_model)]
     flags = {name: module.training for name, module in gm.named_modules()}
     for snapshot in cls._amp_graphs:
         if all(flags.get(path) is flag for path, flag in snapshot["reads"].items()):
