@@ -39,12 +39,13 @@ class Net(nn.Module):
         return self.head(self.block(self.norm(self.fc(x))))
 
 
-def hooked_net(calls: list) -> Net:
+def hooked_net(calls: list, grads: list) -> Net:
     torch.manual_seed(0)
     net = Net()
     net.fc.register_forward_pre_hook(lambda module, args: (calls.append("fc pre"), (args[0] * 2,))[1])
     net.fc.register_forward_hook(lambda module, args, output: (calls.append("fc forward"), output * 3)[1])
-    net.fc.register_full_backward_hook(lambda module, grad_in, grad_out: calls.append("fc backward"))
+    net.fc.register_full_backward_hook(
+        lambda module, grad_in, grad_out: (calls.append("fc backward"), grads.append(grad_out[0].float()))[0])
     net.norm.register_forward_hook(lambda module, args, output: calls.append("norm forward"))
     net.block.register_forward_hook(lambda module, args, output: (calls.append("block forward"), output - 1)[1])
     net.register_forward_hook(lambda module, args, output: calls.append("model forward"))
@@ -63,7 +64,8 @@ def run(module, x, calls: list) -> tuple:
 def test_hooks_fire_on_the_converted_module_as_on_the_model(dtype):
     """A lowered Linear kept its hooks (forward, pre, backward), like a LayerNorm, a traced block and the model."""
     calls: list = []
-    net = hooked_net(calls)
+    grads: list = []
+    net = hooked_net(calls, grads)
     x = torch.randn(8, 16)
     reference, reference_grad, reference_calls = run(net, x, calls)
     calls.clear()
@@ -71,6 +73,7 @@ def test_hooks_fire_on_the_converted_module_as_on_the_model(dtype):
     assert calls == [], f"convert() fired the user's hooks: {calls}"
     out, grad, gm_calls = run(gm, x, calls)
     assert sorted(gm_calls) == sorted(reference_calls)
+    assert len(grads) == 2 and relative_error(grads[1], grads[0]) < TOLERANCE[dtype]   # what the backward hook saw
     assert relative_error(out, reference) < TOLERANCE[dtype]
     assert relative_error(grad, reference_grad) < TOLERANCE[dtype]
     summary = amp_compiler.explain(gm).summary_lines()
