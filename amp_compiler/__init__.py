@@ -19,13 +19,14 @@ from amp_compiler.train.network import TrainStep, build_train_network
 from amp_compiler.insight.verify import DtypeMismatch, verify
 from amp_compiler.passes.policy.op_policy import default_lists
 from amp_compiler.passes.fx.constant_range import FP16RangeWarning
+from amp_compiler.frontend.hooks import HookWarning
 
 __all__ = ["convert", "explain", "PrecisionReport", "TracingError", "AmpConfig", "make_config",
            "default_lists", "verify", "DtypeMismatch"]
 __all__ += ["LossScaleManager", "FixedLossScaleManager", "DynamicLossScaleManager", "build_train_network",
             "TrainStep"]
 __all__ += ["GradScaler", "Overflow", "NonFiniteGradientsError"]
-__all__ += ["diff", "PrecisionDiff", "render", "compare", "ComparisonReport", "FP16RangeWarning"]
+__all__ += ["diff", "PrecisionDiff", "render", "compare", "ComparisonReport", "FP16RangeWarning", "HookWarning"]
 __all__ += ["freeze", "frozen_bytes", "load"]
 __all__ += ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionReport", "ValidationReport"]
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_compiler
-from amp_compiler.frontend.hooks import HookWarning
+from amp_compiler import HookWarning
 
 BF16, FP16 = torch.bfloat16, torch.float16
 TOLERANCE = {BF16: 2e-2, FP16: 4e-3}
