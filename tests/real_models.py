@@ -272,6 +272,18 @@ def whisper_inputs(size: int) -> tuple:
     return features, None, _tokens(size, salt=1)
 
 
+
+class ArgsWrapper(nn.Module):
+    """The wrapper users write around a model, `forward(self, *inputs)`: torch.export's dynamic dims must be
+    given by argument name for it, else every dim was fixed and a second batch size failed a guard."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs):
+        return self.model(*inputs)
+
 def _wav2vec2() -> nn.Module:
     # Its positional convolution carries a weight_norm parametrization (issue 7, item 7).
     return _hf("Wav2Vec2ForCTC", "Wav2Vec2Config", "eager", vocab_size=32, hidden_size=32, num_hidden_layers=2,
@@ -525,6 +537,8 @@ _ALL = [
     RealModel("hf_vit", "transformers", _vit_hf, image_inputs, logits),
     RealModel("hf_whisper", "transformers", _whisper, whisper_inputs, last_hidden_state),
     RealModel("hf_clip", "transformers", _clip, clip_inputs, logits_per_image),
+    RealModel("hf_whisper_args_wrapper", "transformers", lambda: ArgsWrapper(_whisper()), whisper_inputs,
+              last_hidden_state),
     RealModel("hf_wav2vec2", "transformers", _wav2vec2, audio_inputs, logits),
     RealModel("hf_deberta_v2", "transformers", _deberta_v2, text_inputs, last_hidden_state),
     # torchvision
@@ -561,6 +575,6 @@ _ALL = [
 REAL_MODELS: dict[str, RealModel] = {spec.name: spec for spec in _ALL}
 REAL_MODEL_NAMES = tuple(REAL_MODELS)
 TRAIN_NAMES = tuple(name for name, spec in REAL_MODELS.items() if spec.loss_fn is not None)
-ONNX_NAMES = ("tv_resnet18", "tv_mobilenet_v3", "hf_bert_sdpa", "hf_gpt2_eager", "hf_vit")
+ONNX_NAMES = ("tv_resnet18", "tv_mobilenet_v3", "hf_bert_sdpa", "hf_gpt2_eager", "hf_vit", "diffusers_unet2d_condition")
 
 __all__ = ["RealModel", "REAL_MODELS", "REAL_MODEL_NAMES", "TRAIN_NAMES", "ONNX_NAMES", "torchvision"]
