@@ -295,6 +295,36 @@ def audio_inputs(size: int) -> tuple:
     return (torch.randn(size, 400, generator=_generator(size)),)
 
 
+def _mixtral() -> nn.Module:
+    """Mixture of experts (issue 18): a softmax router picks 2 of 4 experts per token (top-k), the experts'
+    outputs are weighted and summed per token; grouped-query attention. transformers' default experts code
+    (grouped_mm) runs each expert's matmul as one custom op."""
+    return _decisive_routers(_hf("MixtralForCausalLM", "MixtralConfig", "sdpa", vocab_size=VOCAB, hidden_size=64,
+                                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                 max_position_embeddings=64, use_cache=False))
+
+
+def _qwen2_moe() -> nn.Module:
+    """A second mixture of experts: 2 of 8 experts, top-k weights not renormalised, a shared expert behind a
+    sigmoid gate, eager attention."""
+    return _decisive_routers(_hf("Qwen2MoeForCausalLM", "Qwen2MoeConfig", "eager", vocab_size=VOCAB, hidden_size=32,
+                                 intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                 num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                 use_cache=False))
+
+
+def _decisive_routers(model: nn.Module) -> nn.Module:
+    """Router weights with std 1 (router logits of a few units, as trained routers give). Random init (std
+    0.02) routes every token almost uniformly: the 2nd and 3rd experts' logits 1e-4 apart, so a rounding
+    anywhere upstream, autocast's included, sends some tokens to other experts by chance, and a
+    comparison of errors compares coin tosses (tests/test_moe.py checks the routing itself)."""
+    for layer in model.model.layers:
+        nn.init.normal_(layer.mlp.gate.weight, std=1.0)
+    return model
+
+
 # ----------------------------------------------------------------------------------------- torchvision
 def _resnet() -> nn.Module:
     return torchvision.models.resnet18(num_classes=10)
@@ -495,6 +525,29 @@ def denoised_sample(out) -> torch.Tensor:
     return out.sample
 
 
+class IndexAddMoE(nn.Module):
+    """A mixture of experts written in plain torch (transformers v4's Mixtral): LayerNorm, a softmax router,
+    top-2 of 4 GELU experts, each expert's weighted output added into a zeros_like buffer with index_add_."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32, experts: int = 4, top: int = 2):
+        super().__init__()
+        self.norm, self.router, self.top = nn.LayerNorm(dim), nn.Linear(dim, experts, bias=False), top
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+                                     for _ in range(experts))
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        batch, length, dim = x.shape
+        h = self.norm(x).reshape(-1, dim)
+        weights, chosen = torch.topk(F.softmax(self.router(h), dim=-1), self.top, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(h)
+        for index, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == index)
+            out.index_add_(0, token, (expert(h[token]) * weights[token, slot, None]).to(out.dtype))
+        return self.head(x + out.reshape(batch, length, dim))
+
+
 # ---------------------------------------------------------------------------------------- training data
 def _class_label(classes: int) -> Callable[[int], torch.Tensor]:
     return lambda size: torch.randint(classes, (size,), generator=_generator(size, salt=7))
@@ -541,6 +594,8 @@ _ALL = [
               last_hidden_state),
     RealModel("hf_wav2vec2", "transformers", _wav2vec2, audio_inputs, logits),
     RealModel("hf_deberta_v2", "transformers", _deberta_v2, text_inputs, last_hidden_state),
+    RealModel("hf_mixtral", "transformers", _mixtral, text_inputs, logits),
+    RealModel("hf_qwen2_moe", "transformers", _qwen2_moe, text_inputs, logits),
     # torchvision
     RealModel("tv_resnet18", "torchvision", _resnet, image_inputs, tensor, sizes=(4, 3),
               loss_fn=_cross_entropy, make_label=_class_label(10)),
@@ -570,6 +625,7 @@ _ALL = [
     RealModel("nn_gru", "torch.nn", GRUTagger, sequence_inputs, tensor),
     RealModel("nn_transformer_encoder", "torch.nn", TokenTransformerEncoder, lambda s: (_tokens(s),), tensor),
     RealModel("nn_multihead_attention", "torch.nn", SelfAttentionBlock, attention_inputs, tensor),
+    RealModel("nn_moe_index_add", "torch.nn", IndexAddMoE, sequence_inputs, tensor),
     RealModel("nn_finfo_masked_attention", "torch.nn", FinfoMaskedAttention, text_inputs, tensor),
 ]
 REAL_MODELS: dict[str, RealModel] = {spec.name: spec for spec in _ALL}

@@ -13,6 +13,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+import amp_compiler
 from amp_compiler import convert
 from amp_compiler.passes.node_facts import facts
 from amp_testing import AtenDtypeRecorder
@@ -114,6 +115,7 @@ def test_scatter_add_accumulates_in_fp32_at_o2(accumulate):
     recorder = AtenDtypeRecorder()
     with torch.no_grad(), recorder:
         gm(x)
+    amp_compiler.verify(gm, x)   # y.to(out.dtype) is recorded as the fp32 the buffer now is
     kernel = "index_add_" if accumulate == "index_add" else "index_put_"
     assert recorder.calls[kernel] and set(recorder.calls[kernel]) == {(FP32, FP32)}, recorder.calls[kernel]
     experts = {facts(n)["precision"] for n in _by_op(gm, "linear") if facts(n)["module"].startswith("experts")}
@@ -155,3 +157,25 @@ def test_a_matmul_with_other_readers_stays_low():
     assert facts(proj)["precision"] == "low", facts(proj)["rule"]
     (topk,) = _by_op(gm, "topk")
     assert facts(topk)["precision"] == "fp32" and facts(topk)["rule"].startswith("routing:")
+
+
+class ExpertOffsets(nn.Module):
+    """transformers' grouped experts: tokens per expert counted with histc (CPU wants floats), the offsets of
+    each expert's group made with cumsum(dtype=int32)."""
+
+    def forward(self, expert_ids, x):
+        counts = torch.histc(expert_ids.float(), bins=4, min=0, max=3)
+        return torch.cumsum(counts, dim=0, dtype=torch.int32), x * 2
+
+
+def test_counts_of_tokens_per_expert_stay_exact_at_o2():
+    """301 tokens for expert 0: not a bf16 number (bf16 steps by 2 from 256), so O2's bf16 histc or a bf16
+    read of the counts made the offsets 300, 305: a silently wrong split of the tokens among the experts."""
+    expert_ids = torch.cat([torch.zeros(301, dtype=torch.long), torch.ones(5, dtype=torch.long)])
+    x = torch.randn(4)
+    gm = convert(ExpertOffsets(), "O2", dtype=BF16, example_inputs=(expert_ids, x))
+    offsets, _ = gm(expert_ids, x)
+    assert offsets.tolist() == [301, 306, 306, 306]
+    for op in ("histc", "cumsum"):
+        (node,) = _by_op(gm, op)
+        assert facts(node)["precision"] == "fp32" and facts(node)["rule"].startswith("counts:"), facts(node)

@@ -42,6 +42,8 @@ def _explicit_dtype(node: fx.Node, dtypes: dict) -> torch.dtype | None:
     for value in (*node.args, *node.kwargs.values()):
         if isinstance(value, torch.dtype):
             return value
+        if isinstance(value, fx.Node) and value.target is getattr and value.args[1:] == ("dtype",):
+            return dtypes.get(value.args[0])   # y.to(out.dtype): out's dtype as painted (an fp32 accumulator)
     if node.target == "type_as" and len(node.args) > 1:
         return dtypes.get(node.args[1])
     return None

@@ -12,8 +12,10 @@ op that computed them (the router's matmul, which runs low as autocast runs it),
 An in-place scatter-add (index_add_, scatter_add_, scatter_reduce_, index_reduce_, index_put_ with
 accumulate=True) adds into its first operand, and runs in that tensor's dtype: the buffer it was made as
 (zeros_like) stays fp32, as the policy keeps the out-of-place scatter-adds (a low buffer rounds every
-partial sum; its readers read the sum cast once). A node the user forced, or another rule forced, keeps its
-precision.
+partial sum; its readers read the sum cast once). Counts of tokens per expert (histc) and an op that makes
+integers of floats (the grouped experts' cumsum(counts, dtype=int32) offsets) stay fp32 too: bf16 holds
+integers exactly only up to 256, and O2 lowers every op. A node the user forced, or another rule forced,
+keeps its precision.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ WITH_INDICES = frozenset({"topk", "sort", "kthvalue", "max", "min"})   # (values
 SCORE_OPS = frozenset({"softmax", "log_softmax"})               # keep the order of the scores they normalise
 FACTORIES_LIKE = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like"})
 SCATTER_ADDS = frozenset({"index_add", "scatter_add", "scatter_reduce", "index_reduce"})
+COUNTS = frozenset({"histc", "bincount"})
 
 
 def _uses_indices(node: fx.Node) -> bool:
@@ -120,6 +123,10 @@ def keep_routing_fp32(gm: fx.GraphModule) -> Callable[[nx.DiGraph], None]:
                 what = "the choice" if node is choice else f"a score {choice.name} ({facts(choice)['op']}) chooses from"
                 _keep_fp32(view, node.name, f"routing: {what}: low precision ties or swaps close scores and "
                                             "another index is chosen (another expert runs), kept fp32")
+        for node in nodes:
+            if node.name in view and (facts(node).get("op") in COUNTS or not is_float(facts(node).get("dtype"))):
+                _keep_fp32(view, node.name, "counts: tokens per expert (histc) or floats made integers (cumsum("
+                                            "dtype=int32)): bf16 holds integers exactly only up to 256, kept fp32")
         for buffer, writer in scatter_accumulators(nodes).items():
             if buffer.name in view:
                 _keep_fp32(view, buffer.name, f"accumulator: {writer.name} ({facts(writer)['op']}) adds into it in "

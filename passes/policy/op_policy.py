@@ -40,6 +40,8 @@ _TABLE: list[OpRule] = [
     # --- allow: the work tensor cores exist for; kernels accumulate in fp32 internally.
     *_rules("allow", "matmul", "dense matmul: tensor-core throughput, fp32 accumulation inside the kernel",
             "linear matmul mm bmm mv addmm addmv addr addbmm baddbmm einsum chain_matmul multi_dot bilinear tensordot"),
+    *_rules("allow", "matmul", "grouped matmul (a mixture of experts' experts, one group of tokens per expert): "
+            "dense matmuls, fp32 accumulation inside the kernel", "grouped_mm _grouped_mm grouped_mm_fallback"),
     *_rules("allow", "conv", "convolution: tensor-core throughput, fp32 accumulation inside the kernel",
             "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution conv_tbc"),
     *_rules("allow", "attention", "fused attention kernels keep softmax statistics in fp32 internally",
@@ -74,6 +76,8 @@ _TABLE: list[OpRule] = [
     *_rules("deny", "linalg", "decompositions and solves are ill-conditioned in low precision",
             "inverse det logdet slogdet solve cholesky qr svd eig eigh lstsq pinverse matrix_exp"),
     *_rules("deny", "spectral", "FFT sums all inputs per output", "fft rfft irfft fft2 ifft stft istft"),
+    *_rules("deny", "reduction", "counts values into bins (tokens per expert): a rounded value can cross a bin edge, "
+            "and counts past 256 are not bf16 numbers", "histc bincount"),
     *_rules("deny", "scatter", "accumulating scatters add many values into one slot",
             "index_add scatter_add scatter_reduce index_reduce embedding_bag segment_reduce"),
     # --- infer: pointwise math that is fine in low precision when the inputs already are.
