@@ -124,7 +124,8 @@ def keep_routing_fp32(gm: fx.GraphModule) -> Callable[[nx.DiGraph], None]:
                 _keep_fp32(view, node.name, f"routing: {what}: low precision ties or swaps close scores and "
                                             "another index is chosen (another expert runs), kept fp32")
         for node in nodes:
-            if node.name in view and (facts(node).get("op") in COUNTS or not is_float(facts(node).get("dtype"))):
+            makes_integers = facts(node).get("class") != "clear" and not is_float(facts(node).get("dtype"))
+            if node.name in view and (facts(node).get("op") in COUNTS or makes_integers):   # not a tuple's indices
                 _keep_fp32(view, node.name, "counts: tokens per expert (histc) or floats made integers (cumsum("
                                             "dtype=int32)): bf16 holds integers exactly only up to 256, kept fp32")
         for buffer, writer in scatter_accumulators(nodes).items():
