@@ -172,6 +172,40 @@ def test_a_write_through_a_view_reaches_its_base(placement):
     assert "a view written in place by mul_" in rules["getitem"] and "a view written in place" in rules["view"]
 
 
+class RelativePositionAttention(nn.Module):
+    """As timm MViTv2's attention: relative-position terms written into the logits through a view
+    (attn[:, :, 1:, 1:] = ...), then the softmax reads the whole tensor. Here the logits are also read in
+    fp32 before the write (a logsumexp, denied), so their fp32 cast exists before the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.rel = nn.Parameter(torch.randn(4, 8) * 2)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        attn = q.unsqueeze(1) @ k.unsqueeze(1).transpose(-1, -2)
+        rel = torch.einsum("bhqc,kc->bhqk", q[:, None, 1:], self.rel)
+        inner = attn[:, :, 1:, 1:]
+        attn[:, :, 1:, 1:] = inner - inner.logsumexp(-1, keepdim=True) + rel
+        return attn.softmax(dim=-1) @ v.unsqueeze(1)
+
+
+@pytest.mark.parametrize("placement", [True, False])
+def test_a_cast_made_before_a_write_through_a_view_is_not_read_after_it(placement):
+    """issue 17 (timm mvitv2_tiny, 2.7x autocast's error): the logits' fp32 cast made for the read before
+    the write was reused by the softmax after it (fold_casts counted writes to the view, not to its base),
+    so the relative-position terms never reached the softmax."""
+    torch.manual_seed(0)
+    model, x = RelativePositionAttention(), torch.randn(3, 5, 8)
+    gm = convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,), cast_placement=placement)
+    with torch.no_grad():
+        expected, ours = model(x), gm(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(x).float()
+    assert (ours - expected).abs().max() <= max(2 * (autocast - expected).abs().max(), 2 ** -8 * expected.abs().max())
+
+
 def test_an_in_place_activation_does_not_cut_a_low_chain():
     # conv -> bn -> relu_ -> pool -> conv: relu_ is set aside (it runs in the dtype it writes), but its value
     # flows on, so the norm and the pool paint as if it were out of place: no cast pair around them

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from amp_compiler.passes.fx.insert_casts import written_value
+from amp_compiler.passes.fx.insert_casts import written_views
 from amp_compiler.passes.fx.runtime import is_cast
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.node_facts import facts
@@ -20,8 +20,7 @@ def fold_casts(gm: fx.GraphModule) -> PassResult:
     seen: dict[tuple[fx.Node, object, int], fx.Node] = {}
     writes: dict[fx.Node, int] = {}  # a cast made before an in-place write is not a duplicate of one after
     for node in list(graph.nodes):
-        written = written_value(node)
-        if written is not None:
+        for written in written_views(node):   # a write through a view (attn[:, :, 1:] = ...) changes its base too
             writes[written] = writes.get(written, 0) + 1
         if not is_cast(node):
             continue
