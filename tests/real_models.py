@@ -6,7 +6,7 @@ deterministic for a given size, and ``output(result)`` the tensor the numerical 
 last hidden state, segmentation map, sorted detection scores). Models in the training subset also carry
 ``loss_fn(output, label)`` and ``make_label(size)``.
 
-Families: Hugging Face transformers (eager and sdpa attention), torchvision (classification, segmentation,
+Families: Hugging Face transformers (eager and sdpa attention), torchvision (classification, segmentation, optical flow,
 detection), timm, PyTorch Geometric, and plain ``torch.nn`` recurrent/attention modules. torchvision is
 imported through ``models.torchvision_ops`` (the CUDA wheel that matches the torch pin lacks its C ops
 on the CPU build: the missing ``torchvision::nms`` schemas are defined there, with a small CPU nms).
@@ -371,6 +371,41 @@ def _ssdlite() -> nn.Module:
     return model
 
 
+class FlowUpdates(nn.Module):
+    """RAFT with a fixed number of refinement steps (its forward takes num_flow_updates as an argument)."""
+
+    def __init__(self, model: nn.Module, updates: int):
+        super().__init__()
+        self.model, self.updates = model, updates
+
+    def forward(self, image1, image2):
+        return self.model(image1, image2, num_flow_updates=self.updates)
+
+
+def _raft_small() -> nn.Module:
+    # 2 of the default 12 updates keep the suite fast; the coordinates it refines are the class (issue 18).
+    return FlowUpdates(torchvision.models.optical_flow.raft_small(weights=None), updates=2)
+
+
+def _raft_small_two_levels() -> nn.Module:
+    """A variant: a 2-level correlation pyramid (images from 32 px instead of 128), 4 updates, 64 x 96 images."""
+    from torchvision.models.optical_flow.raft import CorrBlock
+    model = torchvision.models.optical_flow.raft_small(weights=None, corr_block=CorrBlock(num_levels=2, radius=3))
+    return FlowUpdates(model, updates=4)
+
+
+def _image_pair(size: int, height: int, width: int) -> tuple:
+    """Two frames in [-1, 1] (RAFT's normalisation): the second is the first moved by (2, 3) pixels, plus noise."""
+    generator = _generator(size)
+    first = torch.rand(size, 3, height, width, generator=generator) * 2 - 1
+    second = first.roll((2, 3), dims=(2, 3)) + 0.05 * torch.randn(size, 3, height, width, generator=generator)
+    return first, second
+
+
+def last_flow(out) -> torch.Tensor:
+    return out[-1]
+
+
 # ------------------------------------------------------------------------------------------------ timm
 def _timm(name: str, **kwargs) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
@@ -606,6 +641,9 @@ _ALL = [
     RealModel("tv_swin", "torchvision", _swin, image_inputs, tensor),
     RealModel("tv_deeplabv3", "torchvision", _deeplab, _image_64, segmentation_map),
     RealModel("tv_ssdlite", "torchvision", _ssdlite, detection_inputs, detection_scores),
+    RealModel("tv_raft_small", "torchvision", _raft_small, lambda s: _image_pair(s, 128, 128), last_flow),
+    RealModel("tv_raft_small_2_levels", "torchvision", _raft_small_two_levels, lambda s: _image_pair(s, 64, 96),
+              last_flow),
     # timm
     RealModel("timm_deit", "timm", _timm("deit_tiny_patch16_224", img_size=IMAGE, patch_size=8, depth=2),
               image_inputs, tensor),
