@@ -48,6 +48,16 @@ def _module(make, *shape):
     return call
 
 
+def _grouped_mm(grouped_mm, d):
+    """Mixture-of-experts matmul: 16 tokens sorted by expert, 2 experts (offsets 8 and 16)."""
+    return grouped_mm(r(16, 16, dtype=d), r(2, 16, 8, dtype=d), offs=torch.tensor([8, 16], dtype=torch.int32))
+
+
+def _transformers_grouped_mm():
+    import transformers.integrations.moe  # noqa: F401 - registers torch.ops.transformers.grouped_mm_fallback
+    return torch.ops.transformers.grouped_mm_fallback
+
+
 # canonical op -> calls that reach each of its kernels, given the low dtype
 SAMPLES = {
     # allow
@@ -81,6 +91,9 @@ SAMPLES = {
         lambda d: F.scaled_dot_product_attention(r(2, 2, 5, 8, dtype=d), r(2, 2, 5, 8, dtype=d), r(2, 2, 5, 8, dtype=d),
                                                  attn_mask=r(5, 5, dtype=d), dropout_p=0.1)],
     "prelu": [lambda d: F.prelu(r(2, 3, 4, dtype=d), r(3, dtype=d))],
+    "grouped_mm": [lambda d: _grouped_mm(torch._grouped_mm, d)],
+    "_grouped_mm": [lambda d: _grouped_mm(torch._grouped_mm, d)],
+    "grouped_mm_fallback": [lambda d: _grouped_mm(_transformers_grouped_mm(), d)],
     "lstm": [_module(lambda: nn.LSTM(4, 3, batch_first=True), 2, 5, 4)],
     "gru": [_module(lambda: nn.GRU(4, 3, bidirectional=True), 5, 2, 4)],
     "rnn": [_module(lambda: nn.RNN(4, 3), 5, 2, 4)],
@@ -195,6 +208,7 @@ SAMPLES = {
     "masked_select": [lambda d: torch.masked_select(r(4, 3, dtype=d), r(4, 3, dtype=torch.float32) > 0)],
     "index": [lambda d: r(4, 3, dtype=d)[idx(5, high=4)], lambda d: r(4, 3, dtype=d)[r(4, 3, dtype=torch.float32) > 0]],
     "diagonal": [lambda d: torch.diagonal(r(4, 4, dtype=d))],
+    "meshgrid": [lambda d: torch.meshgrid(r(3, dtype=d), r(4, dtype=d), indexing="ij")],
     "tril": [lambda d: torch.tril(r(4, 4, dtype=d))],
     "triu": [lambda d: torch.triu(r(4, 4, dtype=d))],
     # clear: selection
