@@ -102,7 +102,7 @@ def propagate_values(gm: fx.GraphModule, example_inputs: tuple) -> PassResult:
 def _run_on_real_inputs(gm: fx.GraphModule, example_inputs: tuple) -> None:
     runner = _Propagate(gm, _RealRun)
     copies = {name: t.clone() for name, t in runner.named_buffers(remove_duplicate=False)}   # the user's stay
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):   # a train-mode dropout draws from its own RNG copy
         torch.func.functional_call(runner, copies, tuple(example_inputs), tie_weights=False)
 
 
