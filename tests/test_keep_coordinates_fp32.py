@@ -2,6 +2,7 @@
 level, with the ops that read them (passes/painting/keep_coordinates_fp32.py): a small update added to a
 position in low precision is rounded away (bf16 holds 64 in steps of 0.25 of a pixel... 0.5 from 128), and
 `coords1 - coords0` then cancels to the rounding error. The model in miniature: RAFT's loop (issue 18)."""
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,3 +137,40 @@ def test_arange_used_as_indices_is_not_a_position():
     coordinates = [n.name for n in gm.graph.nodes if "coordinates" in (facts(n).get("rule") or "")]
     assert coordinates == []
     assert all(facts(n)["precision"] == "low" for n in gm.graph.nodes if facts(n).get("op") in ("mul", "add"))
+
+
+def _onnx_positions_model():
+    """x @ w gives an update; positions = Cast(Range(0, 64)) * 2 (up to 126); flow = (positions + update / 8)
+    - positions, read by a second MatMul: the Add and Sub sit between two low MatMuls."""
+    from onnx import TensorProto, helper
+    from onnx_testing import initializer, make_model, tensor_input
+    generator = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["update"], name="project"),
+             helper.make_node("Range", ["start", "limit", "step"], ["index"], name="range"),
+             helper.make_node("Cast", ["index"], ["index_f"], name="to_float", to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["index_f", "two"], ["coords0"], name="scale"),
+             helper.make_node("Div", ["update", "eight"], ["small"], name="shrink"),
+             helper.make_node("Add", ["coords0", "small"], ["coords1"], name="move"),
+             helper.make_node("Sub", ["coords1", "coords0"], ["flow"], name="flow"),
+             helper.make_node("MatMul", ["flow", "w2"], ["y"], name="head")]
+    inits = [initializer("w", generator.standard_normal((64, 64)).astype(np.float32) / 8),
+             initializer("w2", generator.standard_normal((64, 8)).astype(np.float32)),
+             initializer("start", np.array(0, np.int64)), initializer("limit", np.array(64, np.int64)),
+             initializer("step", np.array(1, np.int64)), initializer("two", np.array(2.0, np.float32)),
+             initializer("eight", np.array(8.0, np.float32))]
+    model = make_model(nodes, [tensor_input("x", TensorProto.FLOAT, [4, 64])],
+                       [tensor_input("y", TensorProto.FLOAT, [4, 8])], inits)
+    return model, {"x": generator.standard_normal((4, 64)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+def test_convert_onnx_keeps_positions_from_range_fp32(dtype):
+    """The decisions only: ONNX Runtime's CPU kernels compute an fp16 Add/Sub in fp32 (it inserts casts around
+    them), so the rounding this prevents shows on GPU runtimes, not here."""
+    from amp_compiler import convert_onnx
+    model, _ = _onnx_positions_model()
+    report = convert_onnx(model, level="O1", dtype=dtype)
+    rows = {r["node"]: r for r in report.rows}
+    assert rows["project"]["precision"] == rows["head"]["precision"] == str(dtype)[6:]
+    for name in ("scale", "move", "flow"):
+        assert rows[name]["precision"] == "float32" and rows[name]["rule"].startswith("coordinates"), rows[name]

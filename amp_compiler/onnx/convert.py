@@ -24,6 +24,7 @@ from amp_compiler.onnx.files import (check_writable, copy_onnx_file, has_externa
 from amp_compiler.onnx.progress import PROGRESS_AFTER_SECONDS, ConversionProgress, announcing  # noqa: F401 (old home)
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts, decision_rows
 from amp_compiler.passes.onnx.calibrate_ranges import record_onnx_ranges
+from amp_compiler.passes.onnx.coordinates import keep_onnx_coordinates_fp32
 from amp_compiler.passes.onnx.decide_precision import decide_onnx_precision
 from amp_compiler.passes.onnx.place_casts import OnnxCastPlacement
 from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks, check_calibration_data
@@ -122,7 +123,8 @@ class OnnxState:
 
 
 def _decide(state: OnnxState) -> PassResult:
-    hooks = calibrated_hooks(state.model.graph, state.config.low_dtype)
+    coordinates = keep_onnx_coordinates_fp32(state.model.graph)   # positions from Range stay fp32
+    hooks = (coordinates, *calibrated_hooks(state.model.graph, state.config.low_dtype))
     placement = OnnxCastPlacement(state.model, state.config.keep_io_types) if state.config.cast_placement else None
     result = decide_onnx_precision(state.model, state.config.precision_rules(), state.low,
                                    op_block_list=state.op_block_list, node_block_list=state.node_block_list,
