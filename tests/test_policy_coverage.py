@@ -1,7 +1,7 @@
 """issue 17: a decision never picks a dtype the target device has no kernel for.
 
-Every op the policy table lets run in low precision (allow, infer and clear, after the dtype overlay) is
-called on small CPU tensors of that dtype, in each spelling a graph can record (F.pad's modes,
+Every op a level lets run in low precision (allow, infer and clear after the dtype overlay at O1; denied
+ops too at O2 and O3) is called on small CPU tensors of that dtype, in each spelling a graph can record (F.pad's modes,
 interpolate's modes, Tensor.unfold and F.unfold, ...). Either the kernel runs, or the CPU overlay of the
 table keeps that op fp32 for that dtype. An op the table lets run low that this file cannot call is a
 failure too: give it a sample below (or, when it is no kernel at all, a line in NOT_KERNELS).
@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_compiler
-from amp_compiler.passes.policy.op_policy import DEVICE_OVERLAYS, policy_for
+from amp_compiler.passes.policy.op_policy import DEVICE_OVERLAYS
+from amp_compiler.passes.policy.rules import PrecisionRules
 from models.torchvision_ops import import_torchvision
 
 LOW_CLASSES = ("allow", "infer", "clear")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-KERNEL_DTYPE_NAMES = {"float16": "'Half'", "bfloat16": "'BFloat16'"}   # as ATen's "not implemented for" names them
 # Canonical ops the table lets run low that are no kernel of their own.
 NOT_KERNELS = {
     "cond": "control flow: its branches' ops are painted (and called here) one by one",
@@ -39,6 +39,24 @@ def r(*shape, dtype, seed=0):
 
 def idx(*shape, high):
     return torch.randint(high, shape, generator=torch.Generator().manual_seed(1))
+
+
+def spd(d):
+    """A well-conditioned symmetric positive definite 4x4 matrix (the linalg samples)."""
+    a = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    return (a @ a.T + 4 * torch.eye(4)).to(d)
+
+
+def _unary(f, positive=False):
+    return [lambda d: f(r(2, 3, 4, dtype=d).abs() + 0.5 if positive else r(2, 3, 4, dtype=d) * 0.5)]
+
+
+def P(d, *shape):
+    return r(*shape, dtype=d).softmax(-1)
+
+
+def T(*shape):
+    return idx(*shape, high=3)
 
 
 def _module(make, *shape):
@@ -248,63 +266,153 @@ SAMPLES = {
     "median": [lambda d: torch.median(r(2, 5, dtype=d)), lambda d: torch.median(r(2, 5, dtype=d), dim=1)],
     "scatter": [lambda d: torch.scatter(r(4, 3, dtype=d), 0, idx(2, 3, high=4), r(2, 3, dtype=d))],
     "scatter_add": [lambda d: torch.scatter_add(r(4, 3, dtype=d), 0, idx(2, 3, high=4), r(2, 3, dtype=d))],
-    "scatter_reduce": [lambda d: torch.scatter_reduce(r(4, 3, dtype=d), 0, idx(2, 3, high=4), r(2, 3, dtype=d),
-                                                      "amax")],
     "index_add": [lambda d: torch.index_add(r(4, 3, dtype=d), 0, idx(5, high=4), r(5, 3, dtype=d))],
     "index_put": [lambda d: r(4, 3, dtype=d).index_put((idx(2, high=4),), r(2, 3, dtype=d))],
     "index_copy": [lambda d: torch.index_copy(r(4, 3, dtype=d), 0, torch.tensor([2, 0]), r(2, 3, dtype=d))],
     "masked_scatter": [lambda d: r(4, 3, dtype=d).masked_scatter(r(4, 3, dtype=torch.float32) > 0, r(4, 3, dtype=d))],
+    # deny: what O2 and O3 run low (norms with fp32 weights too: O1/O2's mixed kernels)
+    **{n: _unary(getattr(torch, n)) for n in ("exp", "expm1", "exp2", "acos", "asin", "cosh", "sinh", "tan", "erfinv")},
+    **{n: _unary(getattr(torch, n), positive=True) for n in ("log", "log2", "log10", "log1p", "reciprocal", "rsqrt", "lgamma", "digamma")},
+    "softplus": _unary(F.softplus),
+    "float_power": [lambda d: torch.float_power(r(2, 3, dtype=d).abs(), 2)],
+    "sum": [lambda d: r(2, 3, dtype=d).sum(), lambda d: r(2, 3, dtype=d).sum(1)],
+    "prod": [lambda d: r(2, 3, dtype=d).prod(1)],
+    "cumsum": [lambda d: r(2, 3, dtype=d).cumsum(1)], "cumprod": [lambda d: r(2, 3, dtype=d).cumprod(1)],
+    "logsumexp": [lambda d: r(2, 3, dtype=d).logsumexp(1)],
+    "std": [lambda d: r(2, 3, dtype=d).std(1)], "var": [lambda d: r(2, 3, dtype=d).var(1)],
+    "var_mean": [lambda d: torch.var_mean(r(2, 3, dtype=d), 1)], "std_mean": [lambda d: torch.std_mean(r(2, 3, dtype=d), 1)],
+    "norm": [lambda d: r(2, 3, dtype=d).norm(dim=1), lambda d: torch.norm(r(2, 3, dtype=d))],
+    "vector_norm": [lambda d: torch.linalg.vector_norm(r(2, 3, dtype=d), dim=1)],
+    "matrix_norm": [lambda d: torch.linalg.matrix_norm(r(3, 3, dtype=d))],
+    "frobenius_norm": [lambda d: torch.linalg.matrix_norm(r(3, 3, dtype=d), "fro")],
+    "nuclear_norm": [lambda d: torch.linalg.matrix_norm(r(3, 3, dtype=d), "nuc")],
+    "renorm": [lambda d: torch.renorm(r(2, 3, dtype=d), 2, 0, 1.0)],
+    "normalize": [lambda d: F.normalize(r(2, 3, dtype=d), dim=1)],
+    "cosine_similarity": [lambda d: F.cosine_similarity(r(2, 3, dtype=d), r(2, 3, dtype=d, seed=1))],
+    "dist": [lambda d: torch.dist(r(2, 3, dtype=d), r(2, 3, dtype=d, seed=1))],
+    "pdist": [lambda d: F.pdist(r(4, 3, dtype=d))],
+    "cdist": [lambda d: torch.cdist(r(4, 3, dtype=d), r(5, 3, dtype=d, seed=1))],
+    "trace": [lambda d: torch.trace(r(3, 3, dtype=d))],
+    "batch_norm": [lambda d: F.batch_norm(r(2, 3, 4, dtype=d), r(3, dtype=d), r(3, dtype=d).abs(), r(3, dtype=d), r(3, dtype=d)),
+                   lambda d: F.batch_norm(r(2, 3, 4, dtype=d), r(3, dtype=torch.float32), r(3, dtype=torch.float32).abs(),
+                                          r(3, dtype=torch.float32), r(3, dtype=torch.float32)),
+                   lambda d: F.batch_norm(r(2, 3, 4, dtype=d), None, None, training=True)],
+    "layer_norm": [lambda d: F.layer_norm(r(2, 3, 4, dtype=d), (4,), r(4, dtype=d), r(4, dtype=d)),
+                   lambda d: F.layer_norm(r(2, 3, 4, dtype=d), (4,), r(4, dtype=torch.float32), r(4, dtype=torch.float32))],
+    "group_norm": [lambda d: F.group_norm(r(2, 4, 3, dtype=d), 2, r(4, dtype=d), r(4, dtype=d)),
+                   lambda d: F.group_norm(r(2, 4, 3, dtype=d), 2, r(4, dtype=torch.float32), r(4, dtype=torch.float32))],
+    "instance_norm": [lambda d: F.instance_norm(r(2, 3, 4, 4, dtype=d))],
+    "rms_norm": [lambda d: F.rms_norm(r(2, 3, 4, dtype=d), (4,), r(4, dtype=d))],
+    "local_response_norm": [lambda d: F.local_response_norm(r(2, 4, 3, 3, dtype=d), 2)],
+    "softmax": [lambda d: r(2, 3, dtype=d).softmax(-1)], "log_softmax": [lambda d: r(2, 3, dtype=d).log_softmax(-1)],
+    "softmin": [lambda d: F.softmin(r(2, 3, dtype=d), -1)],
+    "cross_entropy": [lambda d: F.cross_entropy(r(4, 3, dtype=d), T(4)), lambda d: F.cross_entropy(r(4, 3, dtype=d), P(d, 4, 3))],
+    "nll_loss": [lambda d: F.nll_loss(r(4, 3, dtype=d).log_softmax(-1), T(4)), lambda d: F.nll_loss(r(2, 3, 4, 4, dtype=d), idx(2, 4, 4, high=3))],
+    "mse_loss": [lambda d: F.mse_loss(r(4, 3, dtype=d), r(4, 3, dtype=d, seed=1))],
+    "l1_loss": [lambda d: F.l1_loss(r(4, 3, dtype=d), r(4, 3, dtype=d, seed=1))],
+    "smooth_l1_loss": [lambda d: F.smooth_l1_loss(r(4, 3, dtype=d), r(4, 3, dtype=d, seed=1))],
+    "huber_loss": [lambda d: F.huber_loss(r(4, 3, dtype=d), r(4, 3, dtype=d, seed=1))],
+    "kl_div": [lambda d: F.kl_div(r(4, 3, dtype=d).log_softmax(-1), P(d, 4, 3), reduction="batchmean")],
+    "binary_cross_entropy": [lambda d: F.binary_cross_entropy(r(4, 3, dtype=d).sigmoid(), r(4, 3, dtype=d, seed=1).sigmoid())],
+    "binary_cross_entropy_with_logits": [lambda d: F.binary_cross_entropy_with_logits(r(4, 3, dtype=d), r(4, 3, dtype=d, seed=1).sigmoid())],
+    "poisson_nll_loss": [lambda d: F.poisson_nll_loss(r(4, 3, dtype=d), r(4, 3, dtype=d, seed=1).abs())],
+    "gaussian_nll_loss": [lambda d: F.gaussian_nll_loss(r(4, 3, dtype=d), r(4, 3, dtype=d, seed=1), r(4, 3, dtype=d).abs() + 0.1)],
+    "cosine_embedding_loss": [lambda d: F.cosine_embedding_loss(r(4, 3, dtype=d), r(4, 3, dtype=d, seed=1), torch.ones(4))],
+    "hinge_embedding_loss": [lambda d: F.hinge_embedding_loss(r(4, 3, dtype=d), torch.ones(4, 3))],
+    "margin_ranking_loss": [lambda d: F.margin_ranking_loss(r(4, dtype=d), r(4, dtype=d, seed=1), torch.ones(4))],
+    "multi_margin_loss": [lambda d: F.multi_margin_loss(r(4, 3, dtype=d), T(4))],
+    "multilabel_margin_loss": [lambda d: F.multilabel_margin_loss(r(4, 3, dtype=d), T(4, 3))],
+    "multilabel_soft_margin_loss": [lambda d: F.multilabel_soft_margin_loss(r(4, 3, dtype=d), torch.ones(4, 3))],
+    "soft_margin_loss": [lambda d: F.soft_margin_loss(r(4, 3, dtype=d), torch.ones(4, 3))],
+    "triplet_margin_loss": [lambda d: F.triplet_margin_loss(r(4, 3, dtype=d), r(4, 3, dtype=d, seed=1), r(4, 3, dtype=d, seed=2))],
+    "triplet_margin_with_distance_loss": [lambda d: F.triplet_margin_with_distance_loss(r(4, 3, dtype=d), r(4, 3, dtype=d, seed=1), r(4, 3, dtype=d, seed=2))],
+    "ctc_loss": [lambda d: F.ctc_loss(r(6, 2, 4, dtype=d).log_softmax(-1), idx(2, 3, high=3) + 1, torch.tensor([6, 6]), torch.tensor([3, 2]))],
+    "upsample": [lambda d: nn.Upsample(scale_factor=2)(r(1, 2, 4, 4, dtype=d))],
+    "upsample_nearest1d": [lambda d: F.interpolate(r(1, 2, 4, dtype=d), scale_factor=2)],
+    "upsample_nearest3d": [lambda d: F.interpolate(r(1, 2, 2, 4, 4, dtype=d), scale_factor=2)],
+    "upsample_linear1d": [lambda d: F.interpolate(r(1, 2, 4, dtype=d), scale_factor=2, mode="linear")],
+    "upsample_bicubic2d": [lambda d: F.interpolate(r(1, 2, 4, 4, dtype=d), scale_factor=2, mode="bicubic")],
+    "upsample_trilinear3d": [lambda d: F.interpolate(r(1, 2, 2, 4, 4, dtype=d), scale_factor=2, mode="trilinear")],
+    "grid_sample": [lambda d, mode=mode: F.grid_sample(r(1, 2, 4, 4, dtype=d), r(1, 3, 3, 2, dtype=d).tanh(), mode=mode, align_corners=False)
+                    for mode in ("bilinear", "nearest", "bicubic")] + [lambda d: F.grid_sample(r(1, 2, 2, 4, 4, dtype=d), r(1, 2, 3, 3, 3, dtype=d).tanh(), align_corners=False)],
+    "grid_sampler": [lambda d: torch.grid_sampler(r(1, 2, 4, 4, dtype=d), r(1, 3, 3, 2, dtype=d).tanh(), 0, 0, False)],
+    "affine_grid": [lambda d: F.affine_grid(r(1, 2, 3, dtype=d), [1, 2, 4, 4], align_corners=False)],
+    "inverse": [lambda d: torch.linalg.inv(spd(d))], "det": [lambda d: torch.linalg.det(spd(d))],
+    "logdet": [lambda d: torch.logdet(spd(d))], "slogdet": [lambda d: torch.linalg.slogdet(spd(d))],
+    "solve": [lambda d: torch.linalg.solve(spd(d), r(4, 2, dtype=d))], "cholesky": [lambda d: torch.linalg.cholesky(spd(d))],
+    "qr": [lambda d: torch.linalg.qr(spd(d))], "svd": [lambda d: torch.linalg.svd(spd(d))],
+    "eig": [lambda d: torch.linalg.eig(spd(d))], "eigh": [lambda d: torch.linalg.eigh(spd(d))],
+    "lstsq": [lambda d: torch.linalg.lstsq(spd(d), r(4, 2, dtype=d))], "pinverse": [lambda d: torch.linalg.pinv(spd(d))],
+    "matrix_exp": [lambda d: torch.linalg.matrix_exp(spd(d) / 10)],
+    "fft": [lambda d: torch.fft.fft(r(2, 8, dtype=d))], "ifft": [lambda d: torch.fft.ifft(r(2, 8, dtype=d))],
+    "rfft": [lambda d: torch.fft.rfft(r(2, 8, dtype=d))], "irfft": [lambda d: torch.fft.irfft(r(2, 8, dtype=d))],
+    "fft2": [lambda d: torch.fft.fft2(r(2, 8, 8, dtype=d))],
+    "stft": [lambda d: torch.stft(r(2, 64, dtype=d), 16, window=torch.hann_window(16).to(d), return_complex=True)],
+    "istft": [lambda d: torch.istft(torch.stft(r(2, 64, dtype=torch.float32), 16, window=torch.hann_window(16),
+                                               return_complex=True), 16, window=torch.hann_window(16).to(d))],
+    "scatter_reduce": [lambda d, red=red: torch.scatter_reduce(r(4, 3, dtype=d), 0, idx(2, 3, high=4), r(2, 3, dtype=d), red)
+                       for red in ("sum", "prod", "mean", "amax", "amin")],
+    "index_reduce": [lambda d: torch.index_reduce(r(4, 3, dtype=d), 0, idx(5, high=4), r(5, 3, dtype=d), "prod")],
+    "embedding_bag": [lambda d: F.embedding_bag(idx(2, 3, high=5), r(5, 4, dtype=d), mode="mean")],
+    "segment_reduce": [lambda d: torch.segment_reduce(r(6, dtype=d), "sum", lengths=torch.tensor([2, 4]))],
+    "histc": [lambda d: torch.histc(r(20, dtype=d), bins=4)],
+    "bincount": [lambda d: torch.bincount(idx(10, high=4), weights=r(10, dtype=d))],
+    "weight_norm": [lambda d: torch._weight_norm(r(3, 4, dtype=d), r(3, 1, dtype=d), 0)],
 }
 
 
-def _low_ops(dtype_name: str) -> list[str]:
-    return sorted(op for op, rule in policy_for(dtype_name).items() if rule.op_class in LOW_CLASSES)
+LEVELS = ("O1", "O2", "O3")   # O2/O3 run denied ops low too (norms, softmax, reductions, linalg, FFT...)
 
 
-def _kept_fp32_on_cpu(op: str, dtype_name: str) -> bool:
-    return policy_for(dtype_name, devices=("cpu",))[op].op_class not in LOW_CLASSES
+def _low_ops(level: str, dtype_name: str, devices=()) -> list[str]:
+    """The ops the rules of `level` let run in `dtype_name` (on `devices`)."""
+    table = PrecisionRules.build(level, dtype_name, devices=devices).table
+    return sorted(op for op, (op_class, _family, _reason) in table.items() if op_class in LOW_CLASSES)
 
 
 def _missing_kernel(call, dtype_name: str) -> str | None:
-    """The error that says the CPU has no kernel for this dtype, or None when the call runs. Any other error
-    is the sample's own mistake: raised, never taken for a missing kernel."""
+    """The error of a call that runs in fp32 and fails in the low dtype (the CPU has no kernel for it), or
+    None when it runs. A call that fails in fp32 too is the sample's own mistake: raised."""
     try:
         with torch.no_grad():
             call(DTYPES[dtype_name])
     except (RuntimeError, NotImplementedError) as error:
-        if "not implemented for" in str(error) and KERNEL_DTYPE_NAMES[dtype_name] in str(error):
-            return str(error).splitlines()[0][:120]
-        raise
+        with torch.no_grad():
+            call(torch.float32)
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
     return None
 
 
-def test_every_op_the_table_runs_low_has_a_sample_here():
-    missing = [op for name in DTYPES for op in _low_ops(name) if op not in SAMPLES and op not in NOT_KERNELS]
-    assert not missing, f"ops the table lets run low with no sample call in this file: {sorted(set(missing))}"
+def test_every_op_a_level_runs_low_has_a_sample_here():
+    missing = {op for level in LEVELS for name in DTYPES for op in _low_ops(level, name)
+               if op not in SAMPLES and op not in NOT_KERNELS}
+    assert not missing, f"ops a level lets run low with no sample call in this file: {sorted(missing)}"
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
-def test_every_op_the_table_runs_low_has_a_cpu_kernel_or_stays_fp32_on_cpu(dtype_name):
-    """The kernel runs in the low dtype on CPU (each spelling), or the CPU overlay keeps the op fp32 there."""
+def test_every_op_a_level_runs_low_has_a_cpu_kernel_or_stays_fp32_on_cpu(dtype_name):
+    """The kernel runs in the low dtype on CPU (each spelling), or the CPU overlay keeps the op fp32 there,
+    at every level."""
     no_kernel = {}
-    for op in _low_ops(dtype_name):
+    for op in sorted({op for level in LEVELS for op in _low_ops(level, dtype_name)}):
         for call in SAMPLES.get(op, ()):
             why = _missing_kernel(call, dtype_name)
             if why:
                 no_kernel[op] = why
                 break
-    wrong = {op: why for op, why in no_kernel.items() if not _kept_fp32_on_cpu(op, dtype_name)}
-    assert not wrong, f"{dtype_name} ops with no CPU kernel that the CPU overlay lets run low: {wrong}"
+    for level in LEVELS:
+        on_cpu = set(_low_ops(level, dtype_name, devices=("cpu",)))
+        wrong = {op: why for op, why in no_kernel.items() if op in on_cpu}
+        assert not wrong, f"{level} {dtype_name}: ops with no CPU kernel that the CPU overlay lets run low: {wrong}"
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
 def test_the_cpu_overlay_keeps_fp32_only_ops_that_have_no_kernel(dtype_name):
     """The overlay is no blanket: each op it keeps fp32 in a dtype fails there (otherwise it costs speed)."""
     for op, (dtypes, _reason) in DEVICE_OVERLAYS["cpu"].items():
-        if dtype_name not in dtypes or policy_for(dtype_name)[op].op_class not in LOW_CLASSES:
-            continue
-        failed = any(_missing_kernel(call, dtype_name) for call in SAMPLES[op])
-        assert failed, f"{op} runs in {dtype_name} on CPU: the CPU overlay need not keep it fp32"
+        if dtype_name in dtypes:
+            assert any(_missing_kernel(call, dtype_name) for call in SAMPLES[op]), \
+                f"{op} runs in {dtype_name} on CPU: the CPU overlay need not keep it fp32"
 
 
 def test_the_cpu_overlay_applies_only_on_cpu_and_wins_over_the_level():
@@ -342,6 +450,31 @@ def test_a_cpu_model_keeps_avg_pool3d_fp32_and_runs(dtype):
     rows = [row for row in amp_compiler.explain(gm).rows if row["op"] == "avg_pool3d"]
     assert rows and all(row["dtype"] == "float32" and "cpu" in row["rule"] for row in rows)
     assert "device cpu" in str(amp_compiler.explain(gm)).splitlines()[0]
+
+
+class DistancesAndSpectrum(nn.Module):
+    """Distances to learned centres (an RBF layer) and a spectrum (an FNO-style layer) of one projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(5 + 9, 4)
+        self.centres = nn.Parameter(torch.randn(5, 16))
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(torch.cat([torch.cdist(h, self.centres), torch.fft.rfft(h).abs()], dim=-1))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_levels_that_lower_denied_ops_keep_those_without_a_cpu_kernel_fp32(level):
+    """O2 and O3 run denied ops low; the CPU has no low-precision cdist or FFT: they stay fp32, the model runs."""
+    torch.manual_seed(0)
+    model, x = DistancesAndSpectrum(), torch.randn(4, 8)
+    gm = amp_compiler.convert(model, level, dtype=torch.bfloat16, example_inputs=(x,))
+    with torch.no_grad():
+        assert torch.allclose(gm(x), model(x), atol=0.1)
+    rows = {row["op"]: row for row in amp_compiler.explain(gm).rows}
+    assert rows["cdist"]["dtype"] == rows["rfft"]["dtype"] == "float32" and "cpu" in rows["cdist"]["rule"]
 
 
 def test_a_model_without_parameters_takes_the_device_of_its_example_inputs():

@@ -51,6 +51,7 @@ ALIASES = {
     "t_copy": "t", "split_with_sizes": "split", "new_zeros": "zeros_like", "new_ones": "ones_like",
     "new_full": "full_like", "new_empty": "empty_like", "fill": "full_like",
     "amp_opaque_call": "opaque_call",
+    "inv": "inverse", "inv_ex": "inverse", "pinv": "pinverse", "cholesky_ex": "cholesky", "solve_ex": "solve",
     # operator.and_ / aten.__and__ (masks combined with &): the trailing underscore is Python's, not in-place
     "and": "and_", "or": "or_", "not": "not_", "iand": "and_", "ior": "or_", "ixor": "xor",
 }
@@ -64,6 +65,9 @@ def _strip(name: str) -> str:
     name = name.lstrip("_")
     if name.endswith("_") and not name.endswith("__"):  # in-place spelling: add_ -> add
         name = name[:-1]
+    for namespace in ("fft_", "linalg_"):   # torch.fft.rfft is "fft_rfft", torch.linalg.inv "linalg_inv"
+        if name.startswith(namespace) and len(name) > len(namespace):
+            name = name[len(namespace):]
     return ALIASES.get(name, name)
 
 

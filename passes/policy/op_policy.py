@@ -155,9 +155,21 @@ BF16_OVERLAY = {
 # Ops a device has no low-precision kernel for: device type -> op -> (the low dtypes it lacks, why). Applied
 # (rules.py) after the level, so no level runs them low there; the user's own op lists still win.
 # tests/test_policy_coverage.py calls every op the table lets run low on CPU in each dtype to keep this true.
+def _no_kernel(dtypes: tuple[str, ...], reason: str, ops: str) -> dict[str, tuple[tuple[str, ...], str]]:
+    return {op: (dtypes, reason) for op in ops.split()}
+
+
+_LOW = ("float16", "bfloat16")
 DEVICE_OVERLAYS = {
     "cpu": {
-        "avg_pool3d": (("float16", "bfloat16"), "no CPU kernel in {dtype} (autocast-CPU keeps avg_pool3d fp32)"),
+        **_no_kernel(_LOW, "no CPU kernel in {dtype} (autocast-CPU keeps avg_pool3d fp32)", "avg_pool3d"),
+        **_no_kernel(_LOW, "computed with avg_pool3d, which has no CPU kernel in {dtype}", "local_response_norm"),
+        **_no_kernel(_LOW, "no CPU kernel in {dtype}: LAPACK works in float and double only",
+                     "inverse det logdet slogdet solve cholesky qr svd eig eigh lstsq pinverse nuclear_norm"),
+        **_no_kernel(_LOW, "no CPU kernel in {dtype}: the CPU FFT libraries take float and double only",
+                     "fft ifft rfft irfft fft2 stft"),
+        **_no_kernel(_LOW, "no CPU kernel in {dtype}",
+                     "cdist pdist multi_margin_loss multilabel_margin_loss ctc_loss"),
     },
 }
 
