@@ -17,6 +17,8 @@ from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert_children import convert_children
 from amp_compiler.frozen import freeze as freeze_weights
 from amp_compiler.frontend import TracingError, trace
+from amp_compiler.frontend.hooks import hook_fates, user_hooks_silenced
+from amp_compiler.frontend.training_reads import READS, follow_training_flags
 from amp_compiler.passes.fx.calibrate_ranges import record_ranges
 from amp_compiler.passes.fx.canonicalize import canonicalize
 from amp_compiler.passes.fx.constant_range import (constants_beyond_range, magnitude_carriers,
@@ -66,15 +68,22 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
         return freeze_weights(converted) if freeze else converted
     gm = traced.graph_module
     config.devices, devices_from = target_devices(model, example_inputs)   # ops they have no low kernel for stay fp32
-    counts = run_pipeline(gm, config, example_inputs, calibration_data)
+    with user_hooks_silenced(gm):   # the user's hooks fire on calls, not on fake values or calibration runs
+        counts = run_pipeline(gm, config, example_inputs, calibration_data)
     gm.meta["amp"] = {
         "level": config.level, "requested_level": config.requested_level,
         "dtype": config.low_dtype_name, "frontend": traced.frontend, "leaf_modules": traced.leaves,
         "notes": traced.notes, "opaque": traced.opaque, "keep_io_types": config.keep_io_types, "casts": count_casts(gm),
         "pass_counts": counts, "loss_scale_manager": config.loss_scale_manager,
         "devices": {"devices": list(config.devices), "from": devices_from},
+        "hooks": hook_fates(gm, traced.hooked, traced.frontend), "training_reads": traced.training_reads,
     }
     preserve_decisions(gm)   # explain/render/compare keep working after torch.save / torch.load
+    if traced.training_reads:   # `if self.training:` was decided at capture: a call in another mode captures again
+        gm.__dict__[READS] = traced.training_reads
+        follow_training_flags(gm, model, lambda copy: convert(
+            copy, level, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
+            calibration_data=calibration_data, freeze=freeze, **overrides))
     return freeze_weights(gm) if freeze else gm
 
 
