@@ -233,6 +233,15 @@ def _deberta_v2() -> nn.Module:
                position_buckets=16, pos_att_type=["p2c", "c2p"])
 
 
+def _deberta_v3() -> nn.Module:
+    """DeBERTa-v3's settings: a LayerNorm of the relative-position table (a parameter as a norm's data input)
+    and one key projection shared with it; 8 buckets, so positions beyond 4 take the log-bucket path."""
+    return _hf("DebertaV2Model", "DebertaV2Config", "eager", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+               num_attention_heads=2, intermediate_size=64, max_position_embeddings=64, relative_attention=True,
+               position_buckets=8, max_relative_positions=64, norm_rel_ebd="layer_norm", share_att_key=True,
+               pos_att_type=["p2c", "c2p"])
+
+
 def _vit_hf() -> nn.Module:
     return _hf("ViTForImageClassification", "ViTConfig", "sdpa", image_size=IMAGE, patch_size=8, hidden_size=32,
                num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=10)
@@ -629,6 +638,7 @@ _ALL = [
               last_hidden_state),
     RealModel("hf_wav2vec2", "transformers", _wav2vec2, audio_inputs, logits),
     RealModel("hf_deberta_v2", "transformers", _deberta_v2, text_inputs, last_hidden_state),
+    RealModel("hf_deberta_v3", "transformers", _deberta_v3, text_inputs, last_hidden_state),
     RealModel("hf_mixtral", "transformers", _mixtral, text_inputs, logits),
     RealModel("hf_qwen2_moe", "transformers", _qwen2_moe, text_inputs, logits),
     # torchvision

@@ -151,3 +151,27 @@ def test_the_level_table_says_which_norms_are_mixed_and_user_rules_win():
     assert make_config("O1", keep_batchnorm_fp32=False).precision_rules().classify("batch_norm")[0] == "deny"
     assert make_config("O1", deny_ops=["batch_norm"]).precision_rules().classify("batch_norm")[0] == "deny"
     assert make_config("O0").precision_rules().classify("batch_norm")[0] == "deny"
+
+
+class NormalisedTable(nn.Module):
+    """DeBERTa-v3's relative-position path: a LayerNorm of a parameter (the table), read by a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(6, 8))
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x @ self.proj(self.norm(self.table)).t()
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_mixed_norm_whose_data_input_is_a_parameter_reads_it_low(level):
+    # The data input of a mixed norm kernel is cast like any activation; only its weights stay fp32.
+    # It used to stay fp32 too, so the 'low' norm returned fp32 into a bf16 Linear: a dtype error at run time.
+    torch.manual_seed(0)
+    model, x = NormalisedTable().eval(), torch.randn(3, 8)
+    gm = amp_compiler.convert(model, level, dtype=torch.bfloat16, example_inputs=(x,), keep_batchnorm_fp32=True)
+    amp_compiler.verify(gm, x)
+    assert torch.allclose(gm(x), model(x), atol=0.15, rtol=0.05)

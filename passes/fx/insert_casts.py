@@ -78,8 +78,8 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
             precision = amp.get("precision")
             want = {"low": low, "fp32": torch.float32}.get(precision)
             operands = list(node.all_input_nodes)
-            if amp.get("fp32_weights"):  # mixed norm kernel: parameters and statistics are read in fp32
-                operands = [v for v in operands if v.op != "get_attr"]
+            if amp.get("fp32_weights"):  # mixed norm kernel: parameters and statistics are read in fp32,
+                operands = [v for v in operands if not reads_as_norm_weight(node, v)]   # the data input low
         if not is_float(want):
             continue
         for value in operands:
@@ -115,3 +115,10 @@ def output_value_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     found: list[fx.Node] = []
     fx.node.map_arg(output.args, lambda n: found.append(n) if n not in found else None)
     return found
+
+
+def reads_as_norm_weight(norm: fx.Node, value: fx.Node) -> bool:
+    """Whether a mixed norm kernel reads `value` as a weight or statistic (fp32), not as its data input.
+    The data input is the first argument of every norm op; it can be a parameter too (DeBERTa-v3 normalises
+    its relative-position table, a weight, and reads the result as an activation)."""
+    return value.op == "get_attr" and not (norm.args and norm.args[0] is value)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.fx.insert_casts import written_value
+from amp_compiler.passes.fx.insert_casts import reads_as_norm_weight, written_value
 from amp_compiler.passes.fx.promote_in_kernel import promotion_partner
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.painting.place_casts import FP32, LOW, CastPlacement, ValueFlow
@@ -96,7 +96,7 @@ class FxCastPlacement:
         return flow
 
     def _weight_read_fp32(self, value: fx.Node, reader: fx.Node) -> bool:
-        return value.op == "get_attr" and self.rules.keeps_fp32_weights(facts(reader).get("op"))
+        return reads_as_norm_weight(reader, value) and self.rules.keeps_fp32_weights(facts(reader).get("op"))
 
 
 def _promotes_in_kernel(value: fx.Node, reader: fx.Node, view) -> bool:
