@@ -222,3 +222,19 @@ def test_a_compiled_converted_module_follows_train_and_eval():
         gm.train(mode)
         model.train(mode)
         assert relative_error(compiled(x), model(x)) < TOLERANCE[BF16], f"training={mode}"
+
+
+def test_a_saved_converted_module_refuses_the_mode_it_did_not_capture(tmp_path):
+    # torch.save keeps one mode's code: a loaded module called in the other mode must not run it silently.
+    torch.manual_seed(0)
+    model = Wrapper().eval()
+    x = torch.randn(8, 16)
+    gm = amp_compiler.convert(model, "O1", dtype=BF16, example_inputs=(x,))
+    torch.save(gm, tmp_path / "gm.pt")
+    loaded = amp_compiler.load(tmp_path / "gm.pt", weights_only=False)
+    assert relative_error(loaded(x), model(x)) < TOLERANCE[BF16]
+    loaded.train()
+    with pytest.raises(RuntimeError, match=r"model\.encoder read self\.training \(False\)"):
+        loaded(x)
+    loaded.eval()
+    assert relative_error(loaded(x), model(x)) < TOLERANCE[BF16]

@@ -80,6 +80,7 @@ def follow_training_flags(gm: fx.GraphModule, model: nn.Module, convert_again: C
     cls._call_impl = _call_in_captured_flags
     cls.train = _train_switching_graphs   # switches outside torch.compile'd calls too
     cls.__deepcopy__ = _deepcopy_following_flags
+    cls.__reduce__ = _reduce_refusing_other_flags
 
 
 def _watched(gm: fx.GraphModule) -> list[tuple[nn.Module, bool]]:
@@ -104,6 +105,33 @@ def _deepcopy_following_flags(self, memo):
     copy.__dict__[READS] = dict(self.__dict__[READS])
     follow_training_flags(copy, type(self)._amp_model, type(self)._amp_convert_again)
     return copy
+
+
+def _reduce_refusing_other_flags(self):
+    # torch.save keeps the generated code of the current mode only, and no model to capture the other from:
+    # the loaded module refuses a call with other flags instead of running this mode's graph silently.
+    rebuild, arguments = fx.GraphModule.__reduce__(self)
+    return _loaded_refusing_other_flags, (rebuild, arguments)
+
+
+def _loaded_refusing_other_flags(rebuild, arguments) -> fx.GraphModule:
+    gm = rebuild(*arguments)
+    if gm.__dict__.get(READS):
+        cls = type(gm)
+        cls._amp_watched = _watched(gm)
+        cls._call_impl = _refuse_other_flags
+    return gm
+
+
+def _refuse_other_flags(self, *args, **kwargs):
+    for path, flag in self.__dict__[READS].items():
+        if self.get_submodule(path).training is not flag:
+            where = f"model.{path}" if path else "the model"
+            raise RuntimeError(
+                f"{where} read self.training ({flag}) when this graph was captured, and it is {not flag} now: a "
+                f"converted module loaded from a file keeps only its {'train' if flag else 'eval'}-mode graph.\n"
+                "Call it in that mode, or convert the model again (the live converted module captures both modes).")
+    return nn.Module._call_impl(self, *args, **kwargs)
 
 
 @torch._dynamo.disable   # capturing runs eagerly, also inside torch.compile
