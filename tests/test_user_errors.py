@@ -138,3 +138,13 @@ def test_compare_on_inputs_the_model_refuses_names_them():
         compare(model, gm, (torch.randn(2, 5),))
     message = short(error)
     assert "compare()" in message and "model itself fails" in message and "[2, 5]" in message
+
+
+def test_verify_with_the_inputs_in_one_tuple_says_how_to_pass_them():
+    model = nn.Sequential(nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    gm = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,))
+    amp_compiler.verify(gm, x)
+    with pytest.raises(ValueError, match=r"verify\(\): the converted graph fails on these inputs \(tuple\).*"
+                                         r"verify\(gm, \*inputs\)"):
+        amp_compiler.verify(gm, (x,))

@@ -144,16 +144,16 @@ def _run_model(model: nn.Module, inputs: tuple):
     try:
         return model(*inputs)
     except Exception as error:  # noqa: BLE001 - named with the inputs, in one line
-        raise ValueError(f"compare(): the model itself fails on these inputs ({_describe(inputs)}): "
-                         f"{type(error).__name__}: {_first_line(error)}") from error
+        raise ValueError(f"compare(): the model itself fails on these inputs ({describe_inputs(inputs)}): "
+                         f"{type(error).__name__}: {first_line(error)}") from error
 
 
-def _describe(inputs: tuple) -> str:
+def describe_inputs(inputs: tuple) -> str:
     return ", ".join(f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}" if isinstance(x, torch.Tensor)
                      else type(x).__name__ for x in inputs)
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [""])[0][:200]
 
 
@@ -171,8 +171,8 @@ class _Recorder(fx.Interpreter):
         except Exception as error:  # noqa: BLE001 - the model ran on these inputs: the graph is what fails
             where = f"node {node.name}" + (f" (module {module_of(node)!r})" if module_of(node) else "")
             replay = "its fp32 replay" if self.fp32 else "the converted graph"
-            raise ValueError(f"compare(): the model runs on these inputs ({_describe(self.inputs)}) but "
-                             f"{replay} fails at {where}: {type(error).__name__}: {_first_line(error)}") from error
+            raise ValueError(f"compare(): the model runs on these inputs ({describe_inputs(self.inputs)}) but "
+                             f"{replay} fails at {where}: {type(error).__name__}: {first_line(error)}") from error
 
     def _record(self, node: fx.Node):
         if self.fp32 and (is_cast(node) or node.target is amp_frozen_cast):   # the weight comes first in both

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from amp_compiler.insight.compare import describe_inputs, first_line
 from amp_compiler.passes.fx.infer_dtypes import value_dtype
 from amp_compiler.passes.fx.runtime import dtype_name
 from amp_compiler.passes.node_facts import facts
@@ -47,8 +48,16 @@ def verify(gm: fx.GraphModule, *inputs, **kwargs) -> None:
         flat = tuple(codegen.process_inputs(*inputs, *kwargs.values()))
     elif kwargs:
         flat = (*inputs, *kwargs.values())
-    with torch.no_grad():
-        _Checker(gm).run(*flat)
+    try:
+        with torch.no_grad():
+            _Checker(gm).run(*flat)
+    except DtypeMismatch:
+        raise
+    except Exception as error:  # noqa: BLE001 - named with the inputs, in one line
+        hint = ("; pass the inputs as separate arguments: verify(gm, *inputs)"
+                if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)) and not kwargs else "")
+        raise ValueError(f"verify(): the converted graph fails on these inputs ({describe_inputs(inputs)}): "
+                         f"{type(error).__name__}: {first_line(error)}{hint}") from error
 
 
 def _verify_children(model, inputs, kwargs) -> None:
