@@ -10,10 +10,10 @@ from amp_compiler.frozen import freeze, frozen_bytes
 from amp_compiler.frontend import TracingError
 from amp_compiler.train.grad_scaler import GradScaler
 from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
-from amp_compiler.insight.report import PrecisionReport, explain
+from amp_compiler.insight.report import PrecisionReport, diff, explain
 from amp_compiler.insight.compare import ComparisonReport, compare
 from amp_compiler.insight.render import render
-from amp_compiler.insight.report_diff import PrecisionDiff, diff
+from amp_compiler.insight.report_diff import PrecisionDiff
 from amp_compiler.train.step_outcome import Overflow
 from amp_compiler.train.network import TrainStep, build_train_network
 from amp_compiler.insight.verify import DtypeMismatch, verify

@@ -27,6 +27,7 @@ from amp_compiler.insight.graph_decisions import (computed_dtype, fp32_islands, 
                                           module_of, precision_of)
 from amp_compiler.frontend.hooks import hook_lines
 from amp_compiler.frontend.training_reads import training_lines
+from amp_compiler.insight.report_diff import PrecisionDiff, diff_reports
 from amp_compiler.insight.report_text import WIDTH, module_table, summarise_paths, wrapped
 from amp_compiler.passes.node_facts import facts
 
@@ -100,7 +101,6 @@ def explain(gm, other=None, *, only: str | None = None, module: str | None = Non
     only: "low", "fp32", "cast", "untouched" or a dtype name ("float16"); module, op: glob patterns
     ("encoder.*" also matches "encoder" itself). With a second module, diff(gm, other)."""
     if other is not None:
-        from amp_compiler.insight.report_diff import diff
         return diff(gm, other)
     summary = graph_summary(gm)
     if "children" in summary:
@@ -113,6 +113,11 @@ def explain(gm, other=None, *, only: str | None = None, module: str | None = Non
         report.rows = [row for row in report.rows if _keeps(row, only, module, op)]
         report.filters = filters
     return report
+
+
+def diff(before, after) -> PrecisionDiff:
+    """Node-by-node changes between two conversions of one model (modules from convert())."""
+    return diff_reports(explain(before), explain(after))
 
 
 def _explain_graph(gm: fx.GraphModule, summary: dict) -> PrecisionReport:

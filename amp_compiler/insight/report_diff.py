@@ -1,4 +1,5 @@
-"""diff(before, after): what a change of level, dtype or rule changed, node by node.
+"""diff_reports(old, new): what a change of level, dtype or rule changed, node by node, from two
+explain() reports (diff(before, after) in report.py explains two modules and calls it).
 
     diff: O1 float16 -> O2 float16
     before: 85 float16, 31 float32, 20 untouched; 75 casts; 0 unknown ops
@@ -56,10 +57,9 @@ class PrecisionDiff:
         return f"<pre>{escape(str(self))}</pre>"
 
 
-def diff(before, after) -> PrecisionDiff:
-    """Node-by-node changes between two conversions of one model (modules from convert())."""
-    from amp_compiler.insight.report import explain
-    old, new = explain(before), explain(after)
+def diff_reports(old, new) -> PrecisionDiff:
+    """Node-by-node changes between two explain() reports of one model (this module reads reports only,
+    so report.py can build a diff without a circular import)."""
     old_rows = {r["node"]: r for r in old.rows if r["precision"] != "cast"}
     new_rows = {r["node"]: r for r in new.rows if r["precision"] != "cast"}
     rows, rule_only = [], []
