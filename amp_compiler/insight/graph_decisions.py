@@ -15,16 +15,12 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.saved_decisions import graph_summary  # noqa: F401 (the readers of this module use it)
 
 
 def is_cast(node: fx.Node) -> bool:
     return node.meta.get("amp_role") == "cast"
-
-
-def dtype_name(dtype) -> str:
-    """torch.float16 -> "float16"; None -> "-"."""
-    return "-" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def is_shown(node: fx.Node) -> bool:

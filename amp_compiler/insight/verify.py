@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from amp_compiler.insight.compare import describe_inputs, first_line
 from amp_compiler.passes.fx.infer_dtypes import value_dtype
-from amp_compiler.passes.fx.runtime import dtype_name
+from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.node_facts import facts
 
 

@@ -50,7 +50,8 @@ from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
 from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
 from amp_compiler.passes.onnx.lower_moved_weights import lower_moved_onnx_weights
 from amp_compiler.passes.onnx.lower_movers_between_casts import lower_onnx_movers_between_casts
-from amp_compiler.passes.onnx.spec import FP16_MAX, is_float_type
+from amp_compiler.passes.onnx.spec import is_float_type
+from amp_compiler.passes.policy.numerics import FP16_MAX
 from amp_compiler.passes.onnx.store_tied_weights_once import store_onnx_tied_weights_once
 from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.runner import Pass, Pipeline

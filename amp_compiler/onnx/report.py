@@ -24,7 +24,8 @@ from amp_compiler.insight.graph_decisions import common_module, connected
 from amp_compiler.insight.report import calibration_lines, island_lines
 from amp_compiler.insight.report_text import module_table, wrapped
 from amp_compiler.passes.onnx.canonicalize import all_nodes
-from amp_compiler.passes.onnx.cast_nodes import cast_target, dtype_name, is_cast
+from amp_compiler.passes.onnx.cast_nodes import cast_target, is_cast
+from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.runner import count
 
 MODULE_COLUMNS = ["node", "where", "op_type", "op", "precision", "rule"]

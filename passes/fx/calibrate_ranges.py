@@ -20,6 +20,7 @@ import torch.fx as fx
 from amp_compiler.passes.fx.decide_precision import module_path
 from amp_compiler.passes.painting.calibrate_ranges import (RangeTotals, calibration_sample, check_calibration_data,
                                                            progress, value_stats)
+from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.runner import PassResult
 
 
@@ -68,5 +69,5 @@ class _RangeRecorder(fx.Interpreter):
 
 def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+        return f"{dtype_name(value.dtype)}{list(value.shape)}"
     return type(value).__name__

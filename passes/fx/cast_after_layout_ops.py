@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from amp_compiler.passes.fx.runtime import dtype_name, is_cast
+from amp_compiler.passes.fx.runtime import is_cast
+from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.node_facts import facts
 

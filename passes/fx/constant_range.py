@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.fx.decide_precision import FP16_MAX, constant_beyond
+from amp_compiler.passes.fx.decide_precision import constant_beyond
 from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.numerics import FP16_MAX, dtype_name, low_max
 from amp_compiler.passes.policy.op_policy import policy_for
 from amp_compiler.passes.runner import PassResult
 
@@ -64,7 +65,7 @@ def _callers_level() -> int:
 def constants_beyond_range(gm: fx.GraphModule, low_dtype: torch.dtype) -> dict[str, tuple[str, list[str]]]:
     """Before decide_precision: every node that holds or reads a constant beyond the low dtype's largest
     number, as painting/keep_constants_fp32.py takes it: name -> (what it holds, its readers' names)."""
-    limit, sources = torch.finfo(low_dtype).max, {}
+    limit, sources = low_max(low_dtype), {}
     for node in gm.graph.nodes:
         if node.op == "get_attr" or (node.op in ("call_function", "call_method", "call_module")
                                      and (is_float(facts(node).get("dtype")) or
@@ -79,7 +80,7 @@ def constants_beyond_range(gm: fx.GraphModule, low_dtype: torch.dtype) -> dict[s
 
 def magnitude_carriers(gm: fx.GraphModule, low_dtype: torch.dtype) -> set[str]:
     """Nodes whose op the policy table calls infer or clear: their output carries an input's magnitude on."""
-    table = policy_for(str(low_dtype).removeprefix("torch."))
+    table = policy_for(dtype_name(low_dtype))
     return {node.name for node in gm.graph.nodes
             if getattr(table.get(facts(node).get("op")), "op_class", None) in KEEP_MAGNITUDE}
 

@@ -8,15 +8,15 @@ never cast (integers, bools, fp64, shapes). Reads meta["amp"]["op"] (canonicaliz
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from amp_compiler.passes.fx.insert_casts import written_views
-from amp_compiler.passes.fx.runtime import dtype_name, is_float
+from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.painting.decide import decide
 from amp_compiler.passes.painting.keep_constants_fp32 import beyond_rule
 from amp_compiler.passes.painting.paint_precision import PAINTABLE
 from amp_compiler.passes.runner import PassResult
+from amp_compiler.passes.policy.numerics import dtype_name, low_max
 from amp_compiler.passes.policy.op_policy import POLICY
 from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.node_facts import facts
@@ -38,9 +38,6 @@ def _computes_on_floats(node: fx.Node) -> bool:
         is_float(facts(node).get("dtype"))
 
 
-FP16_MAX = 65504.0
-
-
 def constant_beyond(node: fx.Node, limit: float) -> float | None:
     """A Python number argument beyond `limit` (masked_fill(-1e9) past fp16's 65504, finfo(float32).min past
     bf16's 3.39e38), else None. Integer arguments of data-movement ops are sizes and dims, not values."""
@@ -55,11 +52,6 @@ def constant_beyond(node: fx.Node, limit: float) -> float | None:
         if abs(value) > limit and abs(value) != float("inf"):
             return value
     return None
-
-
-def low_limit(low_dtype: str) -> float:
-    """The low dtype's largest finite number: 65504 for float16, 3.39e38 for bfloat16."""
-    return torch.finfo(getattr(torch, low_dtype)).max
 
 
 class FxNodes:
@@ -111,7 +103,7 @@ class FxNodes:
             # int64 / 8, ints * 0.5: type promotion computes the default float dtype; no cast reaches it
             return ("fp32", f"{amp['class']}: integer operands only: computes {dtype_name(amp.get('dtype'))} "
                             "by type promotion, whatever the level")
-        big = constant_beyond(node, low_limit(rules.low_dtype)) if forced is None else None
+        big = constant_beyond(node, low_max(rules.low_dtype)) if forced is None else None
         if big is not None:
             forced = ("fp32", beyond_rule(amp["class"], f"the constant {big:g}", rules.low_dtype))
         return forced

@@ -13,7 +13,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.fx.runtime import amp_cast, dtype_name, is_cast, is_float  # noqa: F401 (is_cast: re-exported for the previous release)
+from amp_compiler.passes.fx.runtime import amp_cast, is_cast, is_float  # noqa: F401 (is_cast: re-exported for the previous release)
+from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.node_facts import facts
 

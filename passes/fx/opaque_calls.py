@@ -18,6 +18,7 @@ import torch.fx as fx
 from amp_compiler.passes.fx.runtime import amp_opaque_call, is_float
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.numerics import dtype_name
 
 AS_WRITTEN = (None, None)   # (autocast dtype, output dtype): no autocast, outputs as the body returns them
 
@@ -35,7 +36,7 @@ def plan_opaque_calls(gm: fx.GraphModule, low: torch.dtype | None) -> PassResult
         original = facts(node).get("dtype")
         policy = (low, original if low is not None and is_float(original) else None)
         node.args = (node.args[0], policy, *node.args[2:])
-        how = f"under torch.autocast({str(low).removeprefix('torch.')})" if low is not None else "as written"
+        how = f"under torch.autocast({dtype_name(low)})" if low is not None else "as written"
         facts(node)["rule"] = f"opaque ({node.meta.get('amp_opaque', 'not traceable')}): runs {how}, " \
                                    "inputs uncast"
         planned += 1

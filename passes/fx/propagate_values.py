@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.policy.op_policy import POLICY
 from amp_compiler.passes.runner import PassResult
 
@@ -150,5 +151,5 @@ def _integer_input_read(node: fx.Node, env: dict) -> fx.Node | None:
 
 def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+        return f"{dtype_name(value.dtype)}{list(value.shape)}"
     return type(value).__name__

@@ -25,11 +25,6 @@ from torch import nn
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def dtype_name(dtype) -> str:
-    """torch.float16 -> "float16", as reports and node names spell it."""
-    return str(dtype).removeprefix("torch.")
-
-
 def is_float(dtype) -> bool:
     """Castable by AMP: fp32/fp16/bf16. fp64, integers and bools are never cast."""
     return dtype in FLOAT_DTYPES

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from amp_compiler.passes.onnx.spec import DTYPE_NAMES, FLOAT_TYPES, input_role, is_float_value
+from amp_compiler.passes.onnx.spec import FLOAT_TYPES, input_role, is_float_value
+from amp_compiler.passes.policy.numerics import dtype_name
 
 
 def is_cast(node: ir.Node) -> bool:
@@ -20,10 +21,6 @@ def is_cast(node: ir.Node) -> bool:
 
 def cast_target(node: ir.Node) -> ir.DataType:
     return ir.DataType(node.attributes["to"].as_int())
-
-
-def dtype_name(dtype) -> str:
-    return DTYPE_NAMES.get(dtype, str(getattr(dtype, "name", dtype)).lower())
 
 
 def set_tensor_dtype(value: ir.Value, dtype: ir.DataType) -> None:

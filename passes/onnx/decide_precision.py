@@ -21,15 +21,15 @@ from functools import lru_cache
 import numpy as np
 import onnx
 import onnx_ir as ir
-import torch
 
 from amp_compiler.passes.onnx.canonicalize import all_nodes
-from amp_compiler.passes.onnx.spec import (FP16_MAX, input_role, is_float_value, is_onnx_op, low_precision_blocker,
+from amp_compiler.passes.onnx.spec import (input_role, is_float_value, is_onnx_op, low_precision_blocker,
                                      subgraphs_of)
 from amp_compiler.passes.painting.decide import decide
 from amp_compiler.passes.painting.paint_precision import PAINTABLE
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.policy.names import check_known_names
+from amp_compiler.passes.policy.numerics import low_max, short_name
 from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.node_facts import facts
 
@@ -144,8 +144,7 @@ def _block_lists(nodes: list[ir.Node], op_types: set, names: set) -> dict[ir.Nod
 def _readers_of_out_of_range_constants(model: ir.Model, low_dtype: str) -> dict[ir.Node, str]:
     """Nodes that read (directly or through data movement) a constant the low dtype cannot hold: they stay
     fp32 rather than see inf. Nothing is clipped: the values stay exact."""
-    limit = FP16_MAX if low_dtype == "float16" else float(torch.finfo(getattr(torch, low_dtype)).max)
-    short = {"float16": "fp16", "bfloat16": "bf16"}.get(low_dtype, low_dtype)
+    limit, short = low_max(low_dtype), short_name(low_dtype)
     forced: dict[ir.Node, str] = {}
     for value, peak in _out_of_range_constants(model, limit):
         why = f"reads {value.name}, which holds |x| up to {peak:.6g} > {limit:.5g} ({short} max): kept fp32"

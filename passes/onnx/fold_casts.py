@@ -21,8 +21,9 @@ import numpy as np
 import onnx_ir as ir
 
 from amp_compiler.passes.onnx.cast_nodes import UniqueNames, bypass_cast, cast_target, is_cast, set_tensor_dtype
-from amp_compiler.passes.onnx.spec import (CONSTANT_SOURCES, FP16_MAX, cast_pair_folds, is_float_type, is_float_value,
+from amp_compiler.passes.onnx.spec import (CONSTANT_SOURCES, cast_pair_folds, is_float_type, is_float_value,
                                      is_onnx_op, tensor_dtype)
+from amp_compiler.passes.policy.numerics import FP16_MAX
 from amp_compiler.passes.runner import PassResult
 
 

@@ -25,8 +25,9 @@ import onnx_ir as ir
 from amp_compiler.passes.onnx.canonicalize import canonical_onnx_op, module_path
 from amp_compiler.passes.onnx.cast_nodes import UniqueNames, cast_graph_output, cast_target, is_cast, make_cast, \
     set_tensor_dtype
-from amp_compiler.passes.onnx.spec import FP16_MAX, input_role, is_float_value
+from amp_compiler.passes.onnx.spec import input_role, is_float_value
 from amp_compiler.passes.onnx.torch_origin import origin_node_name
+from amp_compiler.passes.policy.numerics import FP16_MAX
 from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.runner import PassResult
 

@@ -17,7 +17,6 @@ import onnx
 import onnx_ir as ir
 
 FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-DTYPE_NAMES = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
 
 # Inputs whose float type is independent of the data type; they keep the dtype the source model gave them.
 OWN_DTYPE_INPUTS: dict[str, tuple[int, ...]] = {
@@ -39,7 +38,6 @@ READS_ANY_FLOAT = {"Shape", "Size", "Equal", "Less", "LessOrEqual", "Greater", "
 # (RandomNormal, RandomUniform, EyeLike) keep fp32 and one Cast: ONNX Runtime's CPU provider has no kernel
 # that makes fp16 from nothing or from an fp32 template (their attribute always matches their output).
 CONSTANT_SOURCES = ("Constant", "ConstantOfShape")
-FP16_MAX = float(np.finfo(np.float16).max)   # 65504
 # Kernels ONNX Runtime registers for fp16 that refuse it at run time (CPU EP, onnxruntime 1.31):
 # (op type, reduction attribute). Painting keeps these fp32 at every level.
 ORT_REFUSES_FLOAT16 = {("ScatterND", "add"), ("ScatterND", "mul"), ("ScatterND", "max"), ("ScatterND", "min"),

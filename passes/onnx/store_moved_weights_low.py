@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from amp_compiler.passes.onnx.cast_nodes import dtype_name
+from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.onnx.spec import input_role, is_float_value
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.node_facts import facts

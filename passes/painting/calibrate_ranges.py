@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.numerics import dtype_name, low_finfo
 
 MOSTLY = 0.5          # a node whose values are more than half below the normal range is kept fp32
 PROGRESS_FROM = 8     # samples; fewer run without a progress bar
@@ -37,7 +38,7 @@ class RangeTotals:
     """The figures of every node over the samples seen so far."""
 
     def __init__(self, low_dtype: torch.dtype):
-        self.limits, self.samples, self.totals = torch.finfo(low_dtype), 0, {}
+        self.limits, self.samples, self.totals = low_finfo(low_dtype), 0, {}
 
     def add_sample(self, seen: dict, inputs_of: Callable) -> None:
         """seen: node -> value_stats(...) of one sample; inputs_of(node): the nodes whose values it reads."""
@@ -97,7 +98,7 @@ def progress(samples: Iterable):
 
 def range_rule(figures: dict, low_dtype: torch.dtype) -> str | None:
     """Why the figures keep a node fp32 (the rule text), or None when the low dtype holds them."""
-    limits = torch.finfo(low_dtype)
+    limits = low_finfo(low_dtype)
     if figures["overflows"]:
         own = figures["max_abs"] > limits.max
         reads = "" if own else f"reads {figures['read_from']}: "
@@ -105,7 +106,7 @@ def range_rule(figures: dict, low_dtype: torch.dtype) -> str | None:
                 f"{figures['overflows']} of {figures['samples']} samples")
     if figures["below_normal"] > MOSTLY:
         return (f"range: {figures['below_normal']:.0%} of its non-zero values are below "
-                f"{str(low_dtype).removeprefix('torch.')}'s normal range ({_short(limits.tiny)}) over "
+                f"{dtype_name(low_dtype)}'s normal range ({_short(limits.tiny)}) over "
                 f"{figures['samples']} samples")
     return None
 

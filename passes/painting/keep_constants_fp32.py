@@ -17,12 +17,13 @@ from __future__ import annotations
 from typing import Callable
 
 import networkx as nx
-import torch
+
+from amp_compiler.passes.policy.numerics import low_max, short_name
+
 
 def beyond_rule(op_class: str, constant: str, low_dtype: str) -> str:
     """'clear: reads the constant -3.40282e+38, beyond bf16's 3.3895e+38: kept fp32'."""
-    short = {"float16": "fp16", "bfloat16": "bf16"}.get(low_dtype, low_dtype)
-    return f"{op_class}: reads {constant}, beyond {short}'s {torch.finfo(getattr(torch, low_dtype)).max:.5g}: kept fp32"
+    return f"{op_class}: reads {constant}, beyond {short_name(low_dtype)}'s {low_max(low_dtype):.5g}: kept fp32"
 
 
 def keep_constant_paths_fp32(sources: dict[str, tuple[str, list[str]]], carriers: set[str],
