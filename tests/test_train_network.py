@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler import DynamicLossScaleManager, FixedLossScaleManager, Overflow, build_train_network
-from amp_compiler.train.network import demo_training
+from amp_compiler.cli.demo import demo_training
 from models import ZOO_NAMES, build
 
 FP16_SMALLEST_SUBNORMAL = 2.0 ** -24

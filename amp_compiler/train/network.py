@@ -15,7 +15,6 @@ drop_overflow_update=False; more than bad_step_max non-finite steps in a row rai
 """
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -178,22 +177,6 @@ def build_train_network(model: nn.Module, optimizer: torch.optim.Optimizer, loss
     converted = convert(model, level, example_inputs=example_inputs, dtype=dtype,
                         loss_scale_manager=loss_scale_manager, **overrides)
     return TrainStep(model, converted, optimizer, loss_fn, loss_scale_manager)
-
-
-def demo_training(task, steps: int = 5, level: str = "O2", dtype: torch.dtype = torch.float16,
-                  lr: float = 1e-3, loss_scale_manager=None) -> tuple[list[tuple], str]:
-    """Train a copy of a zoo task's model for `steps` steps; returns one (step, loss, loss_scale, overflow,
-    note) row per step and the step's report(). The task's model is left untouched."""
-    model = copy.deepcopy(task.model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    step = build_train_network(model, optimizer, task.loss_fn, level=level, dtype=dtype,
-                               loss_scale_manager=loss_scale_manager, example_inputs=task.example_inputs)
-    rows = []
-    for index in range(steps):
-        inputs, target = task.make_batch(index)
-        loss, overflow, loss_scale = step(*inputs, target)
-        rows.append((index, float(loss), loss_scale, overflow, step.last_note))
-    return rows, step.report()
 
 
 def _synchronise(grads: list[torch.Tensor], found_inf: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
