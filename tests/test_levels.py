@@ -1,4 +1,5 @@
 """The levels are one data table (amp_compiler/passes/policy/levels.py): every level-dependent choice reads it."""
+import argparse
 import dataclasses
 
 import onnx
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 import amp_compiler
+from amp_compiler.cli import build_parser
 from amp_compiler.config import make_config
 from amp_compiler.passes.fx.runtime import is_cast
 from amp_compiler.passes.policy import levels
@@ -69,8 +71,15 @@ def test_every_level_reads_its_entry(name):
     assert lowered == ("deny" in level.lowers)
     assert (rules.classify("cross_entropy")[0] == "deny") == (not level.lowers or level.keeps_losses_fp32)
     assert (default_loss_scale_manager(name, torch.float16) is not None) == (level.loss_scaling == "dynamic")
-    assert level.master_weights == "fp32"
     assert levels.level_of(name) is level
+
+
+def test_the_level_help_says_what_each_level_does():
+    commands = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+    for command in ("explain", "export", "convert-onnx"):
+        level_help = next(action.help for action in commands.choices[command]._actions
+                          if "--level" in action.option_strings)
+        assert all(f"{name}: {level.says}" in level_help for name, level in LEVELS.items()), level_help
 
 
 def test_mixed_kernel_norms_are_a_table_entry(monkeypatch):

@@ -23,7 +23,7 @@ from torch import nn
 
 from amp_compiler.passes.policy.levels import LEVELS
 
-LEVEL_CHOICES_HELP = f"{', '.join(LEVELS)} or auto (default O1)"
+LEVEL_CHOICES_HELP = "; ".join(f"{name}: {level.says}" for name, level in LEVELS.items()) + "; or auto (default O1)"
 
 
 def keyword_argument(text: str) -> tuple[str, object]:

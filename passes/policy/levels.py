@@ -4,7 +4,8 @@
     O2  all low except norms/losses, dynamic loss scaling          O3  all low, no loss scaling
 Adding a level is one entry here. `rules.PrecisionRules` re-classifies the policy table with it,
 `convert`/`convert_onnx` skip painting where `paints` is False, `config` takes the norm default from it,
-and `loss_scale.default_loss_scale_manager` the training default.
+`loss_scale.default_loss_scale_manager` the training default, and the CLI's --level help each `says`.
+Master weights are fp32 at every level (build_train_network refuses low ones): not a level's choice.
 """
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Level:
     name: str
-    says: str                           # one line for reports and --help
+    says: str                           # one line for the CLI's --level help
     paints: bool                        # False: the graph is left as traced (no painting, no cast)
     lowers: tuple[str, ...]             # policy classes re-classified "allow" (everything runs low)
     keeps_losses_fp32: bool             # losses stay fp32 even where `lowers` would take them low
     keep_norm_fp32: bool                # the default of keep_batchnorm_fp32
     loss_scaling: str | None            # build_train_network's default manager: "dynamic" (fp16; bf16 scale 1) or None
-    master_weights: str = "fp32"        # what the optimizer updates: the fp32 parameters, at every level
     # Norms that run as mixed kernels with keep_batchnorm_fp32: low activations in, fp32 weights and statistics,
     # fp32 accumulation, painted "allow" (a conv -> bn -> relu -> conv chain needs no cast pair). O1 takes batch
     # and group norm only: tests/test_mixed_norms.py finds them as close to fp32 as the norm between two casts,
