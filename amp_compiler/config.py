@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from amp_compiler.passes.policy.levels import LEVELS, Level
+from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.policy.rules import PrecisionRules
 
 LOW_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-LOW_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}   # as reports and rules spell them
 RULE_KEYS = ("allow_ops", "deny_ops", "infer_ops", "clear_ops", "force_fp32", "force_low", "custom_ops")
 OVERRIDE_KEYS = ("keep_batchnorm_fp32", "cast_model_type", "dtype", "loss_scale_manager", "keep_io_types",
                  "cast_placement", *RULE_KEYS)
@@ -40,7 +40,7 @@ class AmpConfig:
 
     @property
     def low_dtype_name(self) -> str:
-        return LOW_DTYPE_NAMES[self.low_dtype]
+        return dtype_name(self.low_dtype)
 
     def precision_rules(self) -> PrecisionRules:
         return PrecisionRules.build(self.level, self.low_dtype_name, keep_norm_fp32=self.keep_norm_fp32,
