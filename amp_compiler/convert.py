@@ -1,13 +1,17 @@
 """convert(): the whole compiler as one readable pipeline, FX_PIPELINE (print it to see the passes).
 
-    trace -> FX_PIPELINE (canonicalize ... decide_precision ... insert_casts -> fold_casts -> ...)
-          -> GraphModule (+ gm.meta["amp"] summary)
-A model whose own forward cannot be captured runs as written with its children converted
-(convert_children).
+    convert(model) = compile_graph(capture(model), config)
+    capture (frontend/capture.py: the only place a model is traced; seconds on an LLM)
+      -> compile_graph: a copy of the captured graph -> FX_PIPELINE (canonicalize ... decide_precision ...
+         insert_casts -> fold_casts -> ...; tens of milliseconds) -> GraphModule (+ gm.meta["amp"] summary)
+One capture can be compiled many times (export_onnx compiles it again with force_fp32). A model whose own
+forward cannot be captured runs as written with its children converted (convert_children).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -16,7 +20,7 @@ from torch import nn
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert_children import convert_children
 from amp_compiler.frozen import freeze as freeze_weights
-from amp_compiler.frontend import TracingError, trace
+from amp_compiler.frontend import CapturedGraph, TracingError, capture, graph_module_to_compile
 from amp_compiler.frontend.hooks import hook_fates, user_hooks_silenced
 from amp_compiler.frontend.training_reads import READS, follow_training_flags
 from amp_compiler.passes.fx.calibrate_ranges import record_ranges
@@ -59,31 +63,50 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     config = make_config(level, **overrides)
     check_calibration_data(calibration_data)   # before any work: a bare tensor would be split into rows
     try:
-        traced = trace(model, example_inputs, dynamic_shapes)
+        captured = capture(model, example_inputs, dynamic_shapes)
     except TracingError as error:
-        if example_inputs is None or not any(True for _ in model.children()):
-            raise
-        converted = convert_children(model, error, convert, level, example_inputs, calibration_data=calibration_data,
-                                     dynamic_shapes=dynamic_shapes, **overrides)
-        return freeze_weights(converted) if freeze else converted
-    gm = traced.graph_module
+        return convert_uncapturable(model, error, level, example_inputs, dynamic_shapes, calibration_data,
+                                    freeze, overrides)
+    return compile_graph(captured, config, calibration_data, freeze=freeze, convert_again=lambda copy: convert(
+        copy, level, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
+        calibration_data=calibration_data, freeze=freeze, **overrides))
+
+
+def convert_uncapturable(model: nn.Module, error: TracingError, level: str, example_inputs, dynamic_shapes,
+                         calibration_data, freeze: bool, overrides: dict) -> nn.Module:
+    """The model as written with its children converted (convert_children), every option forwarded; else
+    re-raises `error` (the model has no children or there are no example inputs to record theirs)."""
+    if example_inputs is None or not any(True for _ in model.children()):
+        raise error
+    converted = convert_children(model, error, convert, level, example_inputs, calibration_data=calibration_data,
+                                 dynamic_shapes=dynamic_shapes, **overrides)
+    return freeze_weights(converted) if freeze else converted
+
+
+def compile_graph(captured: CapturedGraph, config: AmpConfig, calibration_data=None, *, freeze: bool = False,
+                  convert_again: Callable[[nn.Module], fx.GraphModule] | None = None) -> fx.GraphModule:
+    """FX_PIPELINE on a copy of `captured`'s graph (the capture is left as it was: compile it again with
+    another config). `convert_again(model_copy)` converts the model in other train()/eval() flags when the
+    graph read `self.training` (default: capture that copy and compile it with this config)."""
+    config = dataclasses.replace(config)   # target devices are written on it below
+    model, example_inputs = captured.model, captured.example_inputs
+    gm = graph_module_to_compile(captured)
     config.devices, devices_from = target_devices(model, example_inputs)   # ops they have no low kernel for stay fp32
     with user_hooks_silenced(gm):   # the user's hooks fire on calls, not on fake values or calibration runs
         counts = run_pipeline(gm, config, example_inputs, calibration_data)
     gm.meta["amp"] = {
         "level": config.level, "requested_level": config.requested_level,
-        "dtype": config.low_dtype_name, "frontend": traced.frontend, "leaf_modules": traced.leaves,
-        "notes": traced.notes, "opaque": traced.opaque, "keep_io_types": config.keep_io_types, "casts": count_casts(gm),
-        "pass_counts": counts, "loss_scale_manager": config.loss_scale_manager,
+        "dtype": config.low_dtype_name, "frontend": captured.frontend, "leaf_modules": list(captured.leaves),
+        "notes": list(captured.notes), "opaque": dict(captured.opaque), "keep_io_types": config.keep_io_types,
+        "casts": count_casts(gm), "pass_counts": counts, "loss_scale_manager": config.loss_scale_manager,
         "devices": {"devices": list(config.devices), "from": devices_from},
-        "hooks": hook_fates(gm, traced.hooked, traced.frontend), "training_reads": traced.training_reads,
+        "hooks": hook_fates(gm, captured.hooked, captured.frontend), "training_reads": dict(captured.training_reads),
     }
     preserve_decisions(gm)   # explain/render/compare keep working after torch.save / torch.load
-    if traced.training_reads:   # `if self.training:` was decided at capture: a call in another mode captures again
-        gm.__dict__[READS] = traced.training_reads
-        follow_training_flags(gm, model, lambda copy: convert(
-            copy, level, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
-            calibration_data=calibration_data, freeze=freeze, **overrides))
+    if captured.training_reads:   # `if self.training:` was decided at capture: a call in another mode captures again
+        gm.__dict__[READS] = dict(captured.training_reads)
+        follow_training_flags(gm, model, convert_again or (lambda copy: compile_graph(
+            capture(copy, example_inputs, captured.dynamic_shapes), config, calibration_data, freeze=freeze)))
     return freeze_weights(gm) if freeze else gm
 
 
@@ -142,34 +165,43 @@ def check_fx_graph(state: FxState) -> None:
 
 
 _PAINTING = "when the level paints (levels.py; not O0)"
+_DECISION = ("class", "family", "reason", "module", "precision", "rule", "fp32_weights")   # painting/decide.py
 FX_PIPELINE = Pipeline("fx", (
-    Pass("canonicalize", lambda s: canonicalize(s.gm)),
+    Pass("canonicalize", lambda s: canonicalize(s.gm), writes=("op", "inplace")),
     Pass("propagate_values", lambda s: propagate_values(s.gm, s.example_inputs),   # fake values
          when=lambda s: s.example_inputs is not None and not any("val" in n.meta for n in s.gm.graph.nodes),
-         when_says="when the front end recorded no values"),
-    Pass("infer_dtypes:original", _original_dtypes),
-    Pass("mark_unchanged", _mark_unchanged, when=lambda s: not s.paints, when_says="when the level does not paint"),
+         when_says="when the front end recorded no values", reads=("op",)),
+    Pass("infer_dtypes:original", _original_dtypes, reads=("op",), writes=("dtype", "original_dtype")),
+    Pass("mark_unchanged", _mark_unchanged, when=lambda s: not s.paints, when_says="when the level does not paint",
+         writes=("class", "family", "precision", "rule")),
     Pass("calibrate_ranges", lambda s: record_ranges(s.gm, s.calibration_data, s.low),   # fp32 runs on samples
-         when=lambda s: s.paints and s.calibration_data is not None, when_says="with calibration_data, at a level that paints"),
-    Pass("decide_precision", _decide, when=_paints, when_says=_PAINTING),   # low/fp32 on floats
+         when=lambda s: s.paints and s.calibration_data is not None, when_says="with calibration_data, at a level that paints",
+         reads=("op", "dtype"), writes=("range",)),
+    Pass("decide_precision", _decide, when=_paints, when_says=_PAINTING,   # low/fp32 on floats
+         reads=("op", "inplace", "dtype", "range"), writes=_DECISION),
     Pass("warn_constants_beyond_fp16", lambda s: warn_constants_beyond_fp16(s.gm),   # -1e9 into a float16 op
-         when=lambda s: s.paints and s.low == torch.float16, when_says="when the level paints, in float16"),
+         when=lambda s: s.paints and s.low == torch.float16, when_says="when the level paints, in float16",
+         reads=("op", "family", "precision", "class"), writes=("warning",)),
     Pass("plan_opaque_calls", lambda s: plan_opaque_calls(s.gm, s.low),   # bodies under autocast, outputs as before
-         when=_paints, when_says=_PAINTING),
+         when=_paints, when_says=_PAINTING, reads=("dtype",), writes=("rule",)),
     Pass("lower_leaf_modules", lambda s: lower_leaf_modules(s.gm, s.low),   # params via get_attr: castable
-         when=_paints, when_says=_PAINTING),
+         when=_paints, when_says=_PAINTING, reads=("hooks", "precision"), writes=("op", "class", "precision", "rule")),
     Pass("infer_dtypes:painted", lambda s: infer_dtypes(s.gm, s.example_inputs, s.low),   # what the painted graph computes
-         when=_paints, when_says=_PAINTING),
+         when=_paints, when_says=_PAINTING, reads=("op", "class", "family", "precision", "original_dtype"),
+         writes=("dtype",)),
     Pass("insert_casts", lambda s: insert_casts(s.gm, s.low, s.original_outputs, s.config.keep_io_types),
-         when=_paints, when_says=_PAINTING),
-    Pass("fold_casts", lambda s: fold_casts(s.gm), when=_paints, when_says=_PAINTING),   # cleans up the inserts
+         when=_paints, when_says=_PAINTING, reads=("dtype", "precision", "family", "fp32_weights", "inplace", "module"),
+         writes=("op", "class", "precision", "dtype", "module", "rule")),
+    Pass("fold_casts", lambda s: fold_casts(s.gm), when=_paints, when_says=_PAINTING,   # cleans up the inserts
+         reads=("dtype", "inplace")),
     Pass("cast_after_layout_ops", lambda s: cast_after_layout_ops(s.gm),   # a transposed low input slows matmuls
-         when=_paints, when_says=_PAINTING),
+         when=_paints, when_says=_PAINTING, reads=("op", "precision", "dtype"),
+         writes=("op", "dtype", "precision", "rule")),
     Pass("promote_in_kernel", lambda s: promote_in_kernel(s.gm),   # bf16 + fp32 upcasts as it reads: no copy
-         when=_paints, when_says=_PAINTING),
+         when=_paints, when_says=_PAINTING, reads=("op", "inplace", "dtype", "rule"), writes=("rule",)),
     Pass("fused_attention_masks", lambda s: fused_attention_masks(s.gm),   # GPU sdpa kernels need mask stride 1
-         when=_paints, when_says=_PAINTING),
-), check=check_fx_graph)
+         when=_paints, when_says=_PAINTING, reads=("op",), writes=("op", "class", "precision", "rule")),
+), check=check_fx_graph, nodes=lambda s: list(s.gm.graph.nodes), front_end_facts=("hooks",))
 
 
 def run_pipeline(gm: fx.GraphModule, config: AmpConfig, example_inputs=None,

@@ -1,128 +1,17 @@
 """Front end: turn a user's nn.Module into an fx GraphModule the passes can rewrite.
 
-    model --fx symbolic trace (untraceable parts become opaque nodes)--> GraphModule
-          --parts were untraceable and example_inputs are given: torch.export, when it captures it all
-          --fx failed at the top: torch.export, else TracingError naming the line
+    capture(model, example_inputs)  ->  CapturedGraph     (capture.py: the one place a model is traced)
+    convert.compile_graph(captured, config)  ->  GraphModule (a copy of the captured graph, its passes run)
 The GraphModule shares the model's parameters and buffers through a shallow copy of the module tree, so
 train()/eval() on it never flips the user's modules and state_dict() keys are the original's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from amp_compiler.frontend.capture import CapturedGraph, capture, graph_module_to_compile
+from amp_compiler.frontend.errors import TracingError
+from amp_compiler.frontend.module_tree import share_module_tree
 
-import torch
-import torch.fx as fx
-from torch import nn
+__all__ = ["CapturedGraph", "TracingError", "capture", "graph_module_to_compile", "share_module_tree", "trace",
+           "TracedModel"]
 
-from amp_compiler.frontend.errors import TracingError, user_frame
-from amp_compiler.frontend.example_inputs import check_input_count
-from amp_compiler.frontend.export_capture import export_failure, export_graph
-from amp_compiler.frontend.integrations import prepare_for_export
-from amp_compiler.frontend.fx_capture import AmpTracer, is_leaf_module, optional_arguments, restore_output_type
-from amp_compiler.frontend.hooks import hook_kinds, hooked_modules, move_root_hooks, user_hooks_silenced
-from amp_compiler.frontend.module_tree import graph_module_on, share_module_tree, unwrap_compiled
-from amp_compiler.frontend.training_reads import read_flags, training_reads_recorded
-from amp_compiler.passes.node_facts import facts
-
-__all__ = ["TracedModel", "TracingError", "trace", "share_module_tree"]
-
-
-@dataclass
-class TracedModel:
-    graph_module: fx.GraphModule
-    frontend: str                       # "fx.symbolic_trace" | "torch.export"
-    leaves: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    opaque: dict[str, str] = field(default_factory=dict)   # what runs as written, and why
-    hooked: dict[str, list[str]] = field(default_factory=dict)        # module path -> its user hooks
-    training_reads: dict[str, bool] = field(default_factory=dict)     # module path -> `training` it read
-
-
-def trace(model: nn.Module, example_inputs=None, dynamic_shapes=None) -> TracedModel:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"convert() needs a torch.nn.Module, got {type(model).__name__}")
-    if example_inputs is not None and not isinstance(example_inputs, tuple):
-        raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
-                        f"got {type(example_inputs).__name__}")
-    model, notes = unwrap_compiled(model)
-    _check_dtypes(model, example_inputs)
-    check_input_count(model, example_inputs)
-    root = share_module_tree(model)
-    tracer = AmpTracer()
-    concrete = optional_arguments(root, example_inputs)
-    try:
-        with training_reads_recorded(root, skip=is_leaf_module) as reads:   # leaves follow train()/eval()
-            tracer.training_reads = reads
-            graph = tracer.trace(root, concrete_args=concrete or None)
-    except Exception as fx_error:  # noqa: BLE001 - any fx failure means: try the next front end
-        return _export_fallback(model, example_inputs, dynamic_shapes, fx_error, notes)
-    untraceable = {k: v for k, v in tracer.opaque.items()
-                   if "autograd.Function" not in v and k not in tracer.kept_for_hooks}
-    if untraceable and example_inputs is not None:
-        try:  # torch.export may capture what fx could not: then nothing runs opaque
-            return _export(model, example_inputs, dynamic_shapes,
-                           notes + [f"torch.fx could not trace {', '.join(sorted(untraceable))}"])
-        except Exception:  # noqa: BLE001 - keep the fx graph with its opaque parts
-            pass
-    for node in graph.nodes:
-        # fx records `x: torch.Tensor` annotations as a string global that torch.save cannot pickle
-        # (the plain symbolic_trace GraphModule fails the same way); they change nothing at run time.
-        if node.op in ("placeholder", "output"):
-            node.type = None
-        if node.op == "call_module" and hook_kinds(root.get_submodule(node.target)):
-            facts(node)["hooks"] = hook_kinds(root.get_submodule(node.target))   # never lowered: they fire
-    restore_output_type(graph, tracer.output_spec)
-    gm = graph_module_on(root, graph, type(model).__name__ + "Amp")
-    move_root_hooks(root, gm)
-    leaves = sorted({n.target for n in graph.nodes if n.op == "call_module"})
-    notes += [f"traced with {name}={value!r}; calls that pass another value raise (give it in example_inputs "
-              "to trace it as an input)" for name, value in concrete.items()]
-    notes += [f"opaque, runs as written: {where}: {why}" for where, why in tracer.opaque.items()]
-    return TracedModel(gm, "fx.symbolic_trace", leaves, notes, dict(tracer.opaque), hooked_modules(root),
-                       read_flags(root, tracer.training_reads))
-
-
-def _follows_mode_when_exported(module: nn.Module) -> bool:
-    # export_capture makes their baked train flags follow train()/eval()
-    return isinstance(module, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm))
-
-
-def _export(model, example_inputs, dynamic_shapes, notes) -> TracedModel:
-    notes = notes + prepare_for_export(model)
-    root = share_module_tree(model)
-    with training_reads_recorded(root, skip=_follows_mode_when_exported) as reads, user_hooks_silenced():
-        gm, export_notes = export_graph(model, root, example_inputs, dynamic_shapes)
-    return TracedModel(gm, "torch.export", [], notes + export_notes, hooked=hooked_modules(root),
-                       training_reads=read_flags(root, reads))
-
-
-def _export_fallback(model, example_inputs, dynamic_shapes, fx_error, notes) -> TracedModel:
-    if example_inputs is None:
-        raise TracingError(
-            f"torch.fx could not trace {type(model).__name__}: {type(fx_error).__name__}: {fx_error}"
-            f"{user_frame(fx_error)}. This is usually Python control flow on tensor shapes or values. Pass "
-            "example_inputs=(x, ...) so convert() can fall back to torch.export, or rewrite that "
-            "branch with torch.where / torch.cond.") from fx_error
-    try:
-        return _export(model, example_inputs, dynamic_shapes,
-                       notes + ["torch.fx could not trace the model (" +
-                                f"{type(fx_error).__name__}: {fx_error}"[:160] + ")"])
-    except TracingError:
-        raise
-    except Exception as export_error:  # noqa: BLE001
-        raise export_failure(model, fx_error, export_error) from export_error
-
-
-def _check_dtypes(model: nn.Module, example_inputs) -> None:
-    """Refuse at convert time what would only fail (or do nothing) at call time."""
-    low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
-    if low:
-        raise ValueError(f"{type(model).__name__} has {', '.join(low)} parameters: mixed precision starts from "
-                         "an fp32 model (the fp32 parameters stay the masters). Call model.float() first.")
-    if example_inputs is None:
-        return
-    floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    for index, value in enumerate(torch.utils._pytree.tree_leaves(example_inputs)):
-        if isinstance(value, torch.Tensor) and value.dtype == torch.float64 and torch.float32 in floats:
-            raise ValueError(f"example input {index} is float64 but the model's parameters are float32: give "
-                             "example_inputs in the dtype the model will be called with (float64 is never cast)")
+trace, TracedModel = capture, CapturedGraph   # the names tests and notebooks used before the capture seam
