@@ -63,13 +63,28 @@ def cast_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if is_cast(n)]
 
 
-def precision_by_op(gm: fx.GraphModule) -> dict[str, set]:
-    """canonical op -> set of precisions it was painted with."""
-    found: dict[str, set] = defaultdict(set)
+class PaintedAs(set):
+    """The precisions one op was painted with; its repr names the nodes, so a failed comparison says which
+    node went where (`{'low'} == {'fp32'}` alone does not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nodes: dict[str, str] = {}    # node name -> precision
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}: {precision}" for name, precision in list(self.nodes.items())[:8])
+        more = f", ... ({len(self.nodes)} nodes)" if len(self.nodes) > 8 else ""
+        return f"{set(self)!r} ({shown}{more})"
+
+
+def precision_by_op(gm: fx.GraphModule) -> dict[str, PaintedAs]:
+    """canonical op -> set of precisions it was painted with (a set that names its nodes when printed)."""
+    found: dict[str, PaintedAs] = defaultdict(PaintedAs)
     for node in gm.graph.nodes:
         amp = node.meta.get("amp", {})
         if amp.get("precision") is not None:
             found[amp["op"]].add(amp["precision"])
+            found[amp["op"]].nodes[node.name] = amp["precision"]
     return found
 
 
