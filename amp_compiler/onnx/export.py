@@ -45,13 +45,13 @@ from amp_compiler.insight.report import explain
 from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
 from amp_compiler.passes.fx.canonicalize import canonicalize
 from amp_compiler.passes.fx.fold_batch_norms import find_foldable_batch_norms, fold_batch_norms
-from amp_compiler.passes.fx.out_of_place_activations import ACTIVATIONS, find_inplace_activations, make_out_of_place
+from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
 from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
 from amp_compiler.passes.onnx.lower_moved_weights import lower_moved_onnx_weights
 from amp_compiler.passes.onnx.lower_movers_between_casts import lower_onnx_movers_between_casts
 from amp_compiler.passes.onnx.spec import is_float_type
-from amp_compiler.passes.policy.numerics import FP16_MAX
+from amp_compiler.passes.policy.numerics import ACTIVATION_MODULES, FP16_MAX
 from amp_compiler.passes.onnx.store_tied_weights_once import store_onnx_tied_weights_once
 from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.runner import Pass, Pipeline
@@ -122,7 +122,7 @@ def inference_copy(model: nn.Module, args: tuple, dynamic_shapes, config: AmpCon
     counts = {"fold_batch_norms": {"batch_norms_folded": 0},
               "out_of_place_activations": {"activations_made_out_of_place": 0}}
     if not config.level_spec.paints or not isinstance(model, nn.Module) or not any(
-            isinstance(m, nn.modules.batchnorm._BatchNorm) or (isinstance(m, ACTIVATIONS) and m.inplace)
+            isinstance(m, nn.modules.batchnorm._BatchNorm) or (isinstance(m, ACTIVATION_MODULES) and m.inplace)
             for m in model.modules()):
         return model, counts
     model, _ = unwrap_compiled(model)

@@ -15,6 +15,7 @@ from torch import nn
 
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.numerics import IN_PLACE_OPERATORS
 
 # Leaf module classes, most specific first (isinstance order matters for subclasses).
 MODULE_OPS: tuple[tuple[type, str], ...] = (
@@ -55,8 +56,6 @@ ALIASES = {
     # operator.and_ / aten.__and__ (masks combined with &): the trailing underscore is Python's, not in-place
     "and": "and_", "or": "or_", "not": "not_", "iand": "and_", "ior": "or_", "ixor": "xor",
 }
-_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
-                      "imatmul"}
 
 
 def _strip(name: str) -> str:
@@ -82,7 +81,7 @@ def mutates_first_input(node: fx.Node) -> bool:
         first = target._schema.arguments[0] if target._schema.arguments else None
         return bool(first is not None and first.alias_info is not None and first.alias_info.is_write)
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS
+    return (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE_OPERATORS
 
 
 def canonical_op(node: fx.Node, root: nn.Module) -> str:

@@ -14,12 +14,9 @@ from __future__ import annotations
 import torch.fx as fx
 
 from amp_compiler.passes.fx.runtime import is_cast
-from amp_compiler.passes.policy.numerics import dtype_name
+from amp_compiler.passes.policy.numerics import LAYOUT_OPS, MATMUL_OPS, dtype_name
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.node_facts import facts
-
-LAYOUT_OPS = {"transpose", "permute", "t", "swapaxes", "movedim"}
-MATMUL_OPS = {"linear", "matmul"}
 
 
 def cast_after_layout_ops(gm: fx.GraphModule) -> PassResult:

@@ -16,7 +16,7 @@ from amp_compiler.passes.painting.decide import decide
 from amp_compiler.passes.painting.keep_constants_fp32 import beyond_rule
 from amp_compiler.passes.painting.paint_precision import PAINTABLE
 from amp_compiler.passes.runner import PassResult
-from amp_compiler.passes.policy.numerics import dtype_name, low_max
+from amp_compiler.passes.policy.numerics import UNARY_IN_PLACE_OPS, dtype_name, low_max
 from amp_compiler.passes.policy.op_policy import POLICY
 from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.node_facts import facts
@@ -136,7 +136,7 @@ def _unary_write(node: fx.Node) -> bool:
     dtype=q.dtype)), which painting cannot change."""
     op = facts(node).get("op")
     rule = POLICY.get(op)
-    activation = op in ("relu", "relu6", "dropout", "hardtanh") or (rule is not None and rule.family == "activation")
+    activation = op in UNARY_IN_PLACE_OPS or (rule is not None and rule.family == "activation")
     if not (activation and facts(node).get("inplace") and node.args and isinstance(node.args[0], fx.Node)):
         return False
     return not any(is_float(facts(a).get("dtype")) for a in node.all_input_nodes if a is not node.args[0])

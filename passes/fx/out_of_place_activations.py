@@ -17,6 +17,8 @@ graphs are analysed (nodes carry canonicalize's facts and their module in nn_mod
 
   find_inplace_activations(gm)          analysis of a canonicalized fx graph: module paths whose flag can go
   make_out_of_place(root, paths)        rewrite of a module tree the caller owns: fresh copies, inplace=False
+  make_out_of_place_in_graph(gm, paths) the same on a torch.fx capture (its tree is its own), and its calls
+                                        made as a capture of the edited model makes them: inplace=False
 """
 from __future__ import annotations
 
@@ -26,11 +28,10 @@ from torch import nn
 from amp_compiler.passes.fx.decide_precision import module_path
 from amp_compiler.passes.fx.module_tree_edits import fresh_copy, get_module, set_module
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.numerics import ACTIVATION_MODULES
 from amp_compiler.passes.policy.op_policy import POLICY
 from amp_compiler.passes.runner import PassResult
 
-ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.SiLU, nn.Mish, nn.LeakyReLU,
-               nn.ELU, nn.CELU, nn.SELU, nn.Threshold)   # exact types: the forward is torch.nn's own
 _ALIASING_MODULES = (nn.Identity, nn.modules.dropout._DropoutNd)   # return their input (eval dropout)
 _COMPUTING = ("allow", "infer", "deny")
 
@@ -42,7 +43,7 @@ def find_inplace_activations(gm: fx.GraphModule) -> list[str]:
         if node.op in ("call_function", "call_method") and facts(node).get("inplace"):
             path = module_path(node)
             module = get_module(gm, path) if path else None
-            if type(module) in ACTIVATIONS and getattr(module, "inplace", False):
+            if type(module) in ACTIVATION_MODULES and getattr(module, "inplace", False):
                 calls.setdefault(path, []).append(node)
     return [path for path, nodes in calls.items() if all(_write_is_invisible(node) for node in nodes)]
 
@@ -54,6 +55,17 @@ def make_out_of_place(root: nn.Module, paths: list[str]) -> PassResult:
         copy.inplace = False
         set_module(root, path, copy)
     return PassResult(modified=bool(paths), counts={"activations_made_out_of_place": len(paths)})
+
+
+def make_out_of_place_in_graph(gm: fx.GraphModule, paths: list[str]) -> PassResult:
+    """make_out_of_place on `gm`'s own module tree (a capture's), and the activation calls of those modules in
+    its graph given inplace=False (torch.nn's activations pass `inplace` to torch.nn.functional by keyword)."""
+    result = make_out_of_place(gm, paths)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.kwargs.get("inplace") is True and module_path(node) in paths:
+            node.kwargs = {**node.kwargs, "inplace": False}
+    gm.recompile()
+    return result
 
 
 def _write_is_invisible(node: fx.Node) -> bool:

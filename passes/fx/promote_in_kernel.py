@@ -15,9 +15,8 @@ import torch.fx as fx
 
 from amp_compiler.passes.fx.runtime import is_cast
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.numerics import PROMOTING_OPS
 from amp_compiler.passes.runner import PassResult
-
-PROMOTING_OPS = {"add", "sub", "mul", "div"}
 
 
 def binary_operands(node: fx.Node) -> list[fx.Node] | None:

@@ -28,21 +28,17 @@ import torch.fx as fx
 from amp_compiler.passes.fx.insert_casts import written_views
 from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.numerics import (COUNTS, FACTORIES_LIKE, ROUTING_INDICES_ONLY, ROUTING_SCORE_OPS,
+                                                ROUTING_WITH_INDICES, SCATTER_ADDS)
 from amp_compiler.passes.policy.op_policy import POLICY
 
-INDICES_ONLY = frozenset({"argmax", "argmin", "argsort"})       # the output is the indices
-WITH_INDICES = frozenset({"topk", "sort", "kthvalue", "max", "min"})   # (values, indices): output 1
-SCORE_OPS = frozenset({"softmax", "log_softmax"})               # keep the order of the scores they normalise
-FACTORIES_LIKE = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like"})
-SCATTER_ADDS = frozenset({"index_add", "scatter_add", "scatter_reduce", "index_reduce"})
-COUNTS = frozenset({"histc", "bincount"})
 
 
 def _uses_indices(node: fx.Node) -> bool:
     op = facts(node).get("op")
-    if op in INDICES_ONLY:
+    if op in ROUTING_INDICES_ONLY:
         return True
-    return op in WITH_INDICES and any(_part(user) == 1 and user.users for user in node.users)
+    return op in ROUTING_WITH_INDICES and any(_part(user) == 1 and user.users for user in node.users)
 
 
 def _part(user: fx.Node) -> int | None:
@@ -61,7 +57,7 @@ def _carries_scores(node: fx.Node) -> bool:
     rule = POLICY.get(op)
     if node.op not in ("call_function", "call_method", "call_module") or rule is None:
         return False
-    if op in SCORE_OPS or rule.family == "user_cast":
+    if op in ROUTING_SCORE_OPS or rule.family == "user_cast":
         return True
     return rule.op_class in ("infer", "clear") and rule.family != "control_flow" and op not in FACTORIES_LIKE
 

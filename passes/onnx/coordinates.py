@@ -11,8 +11,7 @@ import onnx_ir as ir
 
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.painting.keep_coordinates_fp32 import keep_coordinates_fp32
-
-EVERY_INPUT_IS_DATA = frozenset({"cat", "max", "min", "maximum", "minimum"})   # variadic: Concat, Max, Min
+from amp_compiler.passes.policy.numerics import EVERY_INPUT_IS_DATA
 
 
 def readers_as_data(node: ir.Node) -> Iterator[tuple[ir.Node, bool]]:

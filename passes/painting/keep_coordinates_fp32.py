@@ -21,12 +21,10 @@ from typing import Callable, Hashable, Iterable
 
 import networkx as nx
 
+from amp_compiler.passes.policy.numerics import COORDINATE_SAMPLERS, COORDINATE_SOURCES, FACTORIES_LIKE
 from amp_compiler.passes.policy.op_policy import POLICY
 
-SOURCES = frozenset({"arange", "linspace"})
-SAMPLERS = frozenset({"grid_sample", "grid_sampler"})   # read coordinates as their grid, not as their data
 READERS_KEPT_FP32 = ("infer", "deny")   # by the op policy's class, whatever the level made of it
-FACTORIES_LIKE = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like"})
 
 
 def carries_position(op: str | None, as_data: bool = True) -> bool:
@@ -49,7 +47,7 @@ def coordinates(nodes: Iterable[Hashable], op: Callable[[Hashable], str | None],
     `readers(node)` its readers, each with whether it reads the node as its data (not as indices, a mask,
     a shape); nodes are any IR's node names or objects."""
     source_of, read = {}, {}
-    stack = [n for n in nodes if op(n) in SOURCES]
+    stack = [n for n in nodes if op(n) in COORDINATE_SOURCES]
     source_of.update((n, n) for n in stack)
     while stack:
         node = stack.pop()
@@ -59,7 +57,7 @@ def coordinates(nodes: Iterable[Hashable], op: Callable[[Hashable], str | None],
             if carries_position(op(reader), as_data):
                 source_of[reader] = source_of[node]
                 stack.append(reader)
-            elif (as_data or op(reader) in SAMPLERS) and \
+            elif (as_data or op(reader) in COORDINATE_SAMPLERS) and \
                     getattr(POLICY.get(op(reader)), "op_class", None) in READERS_KEPT_FP32:
                 read.setdefault(reader, node)
     read = {reader: value for reader, value in read.items() if reader not in source_of}

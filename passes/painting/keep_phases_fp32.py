@@ -19,14 +19,13 @@ from typing import Callable
 import networkx as nx
 
 from amp_compiler.passes.painting.keep_coordinates_fp32 import carries_position
-
-PERIODIC = frozenset({"sin", "cos"})
+from amp_compiler.passes.policy.numerics import PERIODIC_OPS
 
 
 def keep_phases_fp32(op: Callable[[str], str | None]) -> Callable[[nx.DiGraph], None]:
     """The hook; `op(name)` is the canonical op of the view node `name`."""
     def hook(view: nx.DiGraph) -> None:
-        for node in [n for n in view if op(n) in PERIODIC]:
+        for node in [n for n in view if op(n) in PERIODIC_OPS]:
             if not _keep_fp32(view, node, f"phase: {op(node)} of an argument computed in fp32 (bf16 holds 1000 "
                                           "in steps of 4: the phase would be noise)"):
                 continue
