@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from functools import cached_property
+from typing import ClassVar
 
 import onnx
 import onnx_ir as ir
@@ -28,14 +30,17 @@ from amp_compiler.passes.onnx.coordinates import keep_onnx_coordinates_fp32
 from amp_compiler.passes.onnx.decide_precision import decide_onnx_precision
 from amp_compiler.passes.onnx.place_casts import OnnxCastPlacement
 from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks, check_calibration_data
+from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.onnx.declare_initializer_inputs import declare_initializer_inputs
 from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
 from amp_compiler.passes.onnx.infer_types import infer_onnx_types, infers_float_values
 from amp_compiler.passes.onnx.insert_casts import insert_onnx_casts
 from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
+from amp_compiler.passes.onnx.lower_movers_between_casts import lower_onnx_movers_between_casts
 from amp_compiler.passes.onnx.canonicalize import onnx_canonicalize
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline, count
 from amp_compiler.passes.onnx.store_moved_weights_low import store_moved_onnx_weights_low
+from amp_compiler.passes.onnx.store_tied_weights_once import store_onnx_tied_weights_once
 from amp_compiler.passes.onnx.strip_float_casts import strip_onnx_float_casts
 from amp_compiler.passes.onnx.unique_names import unique_onnx_names
 
@@ -116,17 +121,22 @@ class OnnxState:
     op_block_list: tuple[str, ...] = ()
     node_block_list: tuple[str, ...] = ()
     calibration_data: object = None
+    exported: ClassVar[bool] = False   # True for export_onnx: torch.onnx wrote the types and the Casts
 
     @property
     def low(self) -> ir.DataType:
         return IR_LOW_DTYPES[self.config.low_dtype]
+
+    @cached_property
+    def rules(self) -> PrecisionRules:
+        return self.config.precision_rules()
 
 
 def _decide(state: OnnxState) -> PassResult:
     coordinates = keep_onnx_coordinates_fp32(state.model.graph)   # positions from Range stay fp32
     hooks = (coordinates, *calibrated_hooks(state.model.graph, state.config.low_dtype))
     placement = OnnxCastPlacement(state.model, state.config.keep_io_types) if state.config.cast_placement else None
-    result = decide_onnx_precision(state.model, state.config.precision_rules(), state.low,
+    result = decide_onnx_precision(state.model, state.rules, state.low,
                                    op_block_list=state.op_block_list, node_block_list=state.node_block_list,
                                    painted=(*hooks, placement) if placement else hooks)
     if placement is not None:
@@ -143,7 +153,20 @@ def check_onnx_model(state) -> None:
     onnx.checker.check_model(ir.serde.serialize_model(state.model))
 
 
-_LOWERS_INPUTS = "when keep_io_types=False"
+# How both entry points finish (export_onnx too): the precisions are decided and every Cast is in the graph.
+ONNX_FINISH_PIPELINE = Pipeline("onnx finish", (
+    Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # weights, constants, chains, duplicates
+    Pass("lower_movers_between_casts", lambda s: lower_onnx_movers_between_casts(s.model)),   # rows cast up, then down
+    Pass("store_tied_weights_once", lambda s: store_onnx_tied_weights_once(s.model)),   # weights in final dtypes
+    Pass("lower_graph_inputs", lambda s: lower_onnx_graph_inputs(s.model, s.low),
+         when=lambda s: not s.config.keep_io_types, when_says="when keep_io_types=False"),
+    Pass("declare_initializer_inputs", lambda s: declare_initializer_inputs(s.model),   # IR 3 wants them
+         when=lambda s: s.model.ir_version < 4, when_says="when the model's IR version is below 4"),
+    Pass("infer_types:verify", lambda s: infer_onnx_types(s.model, verify_rewrite=True),   # ONNX must agree
+         when=lambda s: not s.exported, when_says="on convert_onnx (it checks its own rewrite's types)"),
+    Pass("sort:after_rewrite", lambda s: sort_nodes(s.model)),
+), check=check_onnx_model)
+
 ONNX_PIPELINE = Pipeline("onnx", (
     Pass("unique_names", lambda s: unique_onnx_names(s.model)),   # decisions and block lists address nodes by name
     Pass("sort", lambda s: sort_nodes(s.model)),
@@ -155,13 +178,7 @@ ONNX_PIPELINE = Pipeline("onnx", (
     Pass("decide_precision", lambda s: _decide(s)),   # painting, calibration, then cast placement (as on fx)
     Pass("store_moved_weights_low", lambda s: store_moved_onnx_weights_low(s.model, s.low)),   # revisits fp32 movers
     Pass("insert_casts", lambda s: insert_onnx_casts(s.model, s.low, s.config.keep_io_types)),
-    Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # weights, constants, chains, duplicates
-    Pass("lower_graph_inputs", lambda s: lower_onnx_graph_inputs(s.model, s.low),
-         when=lambda s: not s.config.keep_io_types, when_says=_LOWERS_INPUTS),
-    Pass("declare_initializer_inputs", lambda s: declare_initializer_inputs(s.model),   # IR 3 wants them
-         when=lambda s: s.model.ir_version < 4, when_says="when the model's IR version is below 4"),
-    Pass("infer_types:verify", lambda s: infer_onnx_types(s.model, verify_rewrite=True)),   # ONNX must agree
-    Pass("sort:after_rewrite", lambda s: sort_nodes(s.model)),
+    *ONNX_FINISH_PIPELINE.passes,
 ), check=check_onnx_model)
 
 

@@ -27,6 +27,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 import onnx_ir as ir
 import torch
@@ -37,23 +38,18 @@ from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert import convert
 from amp_compiler.frontend import share_module_tree, trace
 from amp_compiler.frontend.module_tree import unwrap_compiled
-from amp_compiler.onnx.convert import IR_LOW_DTYPES, check_onnx_model, conversion_warnings, sort_nodes
+from amp_compiler.onnx.convert import ONNX_FINISH_PIPELINE, OnnxState, check_onnx_model, conversion_warnings
 from amp_compiler.onnx.files import save_onnx_model, weight_bytes
 from amp_compiler.onnx.progress import ConversionProgress, announcing
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts
 from amp_compiler.insight.report import explain
-from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
 from amp_compiler.passes.fx.canonicalize import canonicalize
 from amp_compiler.passes.fx.fold_batch_norms import find_foldable_batch_norms, fold_batch_norms
 from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
-from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
 from amp_compiler.passes.onnx.lower_moved_weights import lower_moved_onnx_weights
-from amp_compiler.passes.onnx.lower_movers_between_casts import lower_onnx_movers_between_casts
 from amp_compiler.passes.onnx.spec import is_float_type
 from amp_compiler.passes.policy.numerics import ACTIVATION_MODULES, FP16_MAX
-from amp_compiler.passes.onnx.store_tied_weights_once import store_onnx_tied_weights_once
-from amp_compiler.passes.policy.rules import PrecisionRules
 from amp_compiler.passes.runner import Pass, Pipeline
 from amp_compiler.passes.onnx.unify_input_types import unify_onnx_input_types
 from amp_compiler.passes.onnx.unique_names import unique_onnx_names
@@ -145,15 +141,9 @@ def inference_copy(model: nn.Module, args: tuple, dynamic_shapes, config: AmpCon
 
 
 @dataclass
-class ExportState:
-    model: ir.Model
-    config: AmpConfig
-    rules: PrecisionRules
+class ExportState(OnnxState):
     low_families: frozenset[str] = frozenset()   # op families convert() painted low somewhere
-
-    @property
-    def low(self) -> ir.DataType:
-        return IR_LOW_DTYPES[self.config.low_dtype]
+    exported: ClassVar[bool] = True
 
 
 _PAINTING = "when the level paints (levels.py; not O0)"
@@ -165,12 +155,7 @@ EXPORT_PIPELINE = Pipeline("export_onnx", (
          when=lambda s: s.config.level_spec.paints, when_says=_PAINTING),
     Pass("lower_moved_weights", lambda s: lower_moved_onnx_weights(s.model, s.low, s.rules),   # embedding tables
          when=lambda s: s.config.level_spec.paints, when_says=_PAINTING),
-    Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # after the casts above: Cast(weight) -> fp16 initializer
-    Pass("lower_movers_between_casts", lambda s: lower_onnx_movers_between_casts(s.model)),   # rows cast up, then down
-    Pass("store_tied_weights_once", lambda s: store_onnx_tied_weights_once(s.model)),   # weights in final dtypes
-    Pass("lower_graph_inputs", lambda s: lower_onnx_graph_inputs(s.model, s.low),
-         when=lambda s: not s.config.keep_io_types, when_says="when keep_io_types=False"),
-    Pass("sort", lambda s: sort_nodes(s.model)),
+    *ONNX_FINISH_PIPELINE.passes,   # as convert_onnx finishes: fold casts, store weights once, sort
 ), check=check_onnx_model)
 
 
@@ -180,7 +165,7 @@ def run_export_pipeline(model: ir.Model, config: AmpConfig, gm: fx.GraphModule |
     (`gm`, the converted graph that was exported). on_pass(name) is called as each pass starts."""
     low_families = frozenset(facts(n).get("family") for n in gm.graph.nodes
                              if facts(n).get("precision") == "low") if gm is not None else frozenset()
-    return announcing(EXPORT_PIPELINE, on_pass).run(ExportState(model, config, config.precision_rules(), low_families))
+    return announcing(EXPORT_PIPELINE, on_pass).run(ExportState(model, config, low_families=low_families))
 
 
 def export_fp32_reference(model: nn.Module, args: tuple, path, dynamic_shapes=None) -> None:
