@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from amp_compiler.passes.fx.insert_casts import written_views
+from amp_compiler.passes.fx.aliases import written_views
 from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.painting.decide import decide
 from amp_compiler.passes.painting.keep_constants_fp32 import beyond_rule

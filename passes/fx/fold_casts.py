@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from amp_compiler.passes.fx.insert_casts import written_views
+from amp_compiler.passes.fx.aliases import written_views
 from amp_compiler.passes.fx.runtime import is_cast
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.node_facts import facts

@@ -13,30 +13,11 @@ import operator
 import torch
 import torch.fx as fx
 
+from amp_compiler.passes.fx.aliases import written_value, written_views
 from amp_compiler.passes.fx.runtime import amp_cast, is_cast, is_float  # noqa: F401 (is_cast: re-exported for the previous release)
 from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.node_facts import facts
-
-
-def written_value(node: fx.Node) -> fx.Node | None:
-    """The value an in-place op writes (its first argument), else None."""
-    if facts(node).get("inplace") and node.args and isinstance(node.args[0], fx.Node):
-        return node.args[0]
-    return None
-
-
-def written_views(node: fx.Node) -> list[fx.Node]:
-    """What an in-place op writes through: its first argument and, while that is a view-like op (the
-    policy's "shape" family: getitem, view, transpose...), the values below it, the base last. Conservative:
-    a reshape that copies is treated as a view."""
-    chain, value = [], written_value(node)
-    while isinstance(value, fx.Node) and value not in chain:
-        chain.append(value)
-        if facts(value).get("family") != "shape" or not value.args or not isinstance(value.args[0], fx.Node):
-            break
-        value = value.args[0]
-    return chain
 
 
 def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, why: str) -> fx.Node:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.fx.insert_casts import reads_as_norm_weight, written_value
+from amp_compiler.passes.fx.aliases import written_value
+from amp_compiler.passes.fx.insert_casts import reads_as_norm_weight
 from amp_compiler.passes.fx.promote_in_kernel import promotion_partner
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.painting.place_casts import FP32, LOW, CastPlacement, ValueFlow
@@ -41,10 +42,9 @@ def fp32_bytes(node: fx.Node) -> int | None:
 class FxCastPlacement:
     """A `painted` hook: builds the graph's ValueFlow once painting has classified it, then places casts."""
 
-    method = "cut"   # or "greedy": the local search the benchmark compares the cut with
-
-    def __init__(self, gm: fx.GraphModule, rules: PrecisionRules, keep_io_types: bool):
+    def __init__(self, gm: fx.GraphModule, rules: PrecisionRules, keep_io_types: bool, method: str = "cut"):
         self.gm, self.rules, self.keep_io_types, self.counts = gm, rules, keep_io_types, {}
+        self.method = method   # or "greedy": the local search the benchmark compares the cut with
 
     def __call__(self, view) -> None:
         if not any("val" in node.meta for node in self.gm.graph.nodes):

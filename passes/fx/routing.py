@@ -25,7 +25,7 @@ from typing import Callable
 import networkx as nx
 import torch.fx as fx
 
-from amp_compiler.passes.fx.insert_casts import written_views
+from amp_compiler.passes.fx.aliases import written_views
 from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.policy.numerics import (COUNTS, FACTORIES_LIKE, ROUTING_INDICES_ONLY, ROUTING_SCORE_OPS,
