@@ -16,6 +16,7 @@ NodeFacts = TypedDict("NodeFacts", {
     "inplace": bool,          # canonicalize (fx): the op writes its first operand in place
     "module": str,            # decide_precision / canonicalize (onnx): the module path that owns the node
     "dtype": Any,             # infer_dtypes (fx): torch.dtype of the value, None when not a tensor / unknown
+    "original_dtype": Any,    # infer_dtypes (fx): the dtype the value had before painting (ints stay ints)
     "class": str,             # decide_precision: allow | infer | deny | clear | ignore | io | cast | opaque ...
     "family": str,            # decide_precision: the op family of the policy table (matmul, norm, shape, ...)
     "reason": str,            # decide_precision: the policy table's reason for the class

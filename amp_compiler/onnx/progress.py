@@ -5,6 +5,8 @@ save's tensors ticking by; shown only when the work takes a while, on a terminal
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from amp_compiler.passes.runner import Pass, Pipeline
 
 PROGRESS_AFTER_SECONDS = 2.0   # a progress bar appears only for work that takes longer than this
@@ -54,5 +56,4 @@ def announcing(pipeline: Pipeline, on_pass) -> Pipeline:
             on_pass(step.name)
             return step.run(state)
         return run
-    return Pipeline(pipeline.name, tuple(Pass(p.name, announced(p), p.when, p.when_says) for p in pipeline.passes),
-                    check=pipeline.check)
+    return replace(pipeline, passes=tuple(replace(p, run=announced(p)) for p in pipeline.passes))   # declarations kept
