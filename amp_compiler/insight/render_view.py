@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from amp_compiler.insight.graph_decisions import computed_dtype, fp32_islands, graph_summary, module_of, precision_of
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.numerics import dtype_name
 
 IO_OPS = ("placeholder", "output")
 
@@ -61,13 +62,8 @@ def _add_graph(view: dict, gm: fx.GraphModule, low: str, prefix: str, rules: Int
         view["nodes"].append({
             "name": node.name, "op": "input" if node.op == "placeholder" else node.op if kind == "io" else
             amp.get("op", str(node.target)), "kind": kind, "precision": precision,
-            "dtype": computed_dtype(node, low) if kind != "io" else _io_dtype(amp),
+            "dtype": computed_dtype(node, low) if kind != "io" else dtype_name(amp.get("dtype")),
             "module": modules.index(module), "rule": rules.index(amp.get("rule", "")),
             "inputs": [index[source] for source in node.all_input_nodes if source in index],
             "reads": [str(source.target) for source in node.all_input_nodes if source.op == "get_attr"],
             "island": island_of.get(node.name, -1)})
-
-
-def _io_dtype(amp: dict) -> str:
-    dtype = amp.get("dtype")
-    return "-" if dtype is None else str(dtype).removeprefix("torch.")
