@@ -16,6 +16,7 @@ from amp_compiler.passes.policy.rules import PrecisionRules
 
 LOW_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+PLACEMENT_METHODS = ("cut", "greedy")   # cast_placement="greedy": the search bench_placement.py compares
 RULE_KEYS = ("allow_ops", "deny_ops", "infer_ops", "clear_ops", "force_fp32", "force_low", "custom_ops")
 OVERRIDE_KEYS = ("keep_batchnorm_fp32", "cast_model_type", "dtype", "loss_scale_manager", "keep_io_types",
                  "cast_placement", *RULE_KEYS)
@@ -31,6 +32,7 @@ class AmpConfig:
     loss_scale_manager: Any
     rule_options: dict = field(default_factory=dict)
     cast_placement: bool = True     # move casts at fp32 islands' edges to where fewer bytes cross (place_casts)
+    placement_method: str = "cut"   # "cut": a minimum cut; "greedy": the local search benchmarks compare it with
     devices: tuple = ()             # device types the model runs on ("cpu"): ops they have no low kernel for stay fp32
 
     @property
@@ -79,9 +81,10 @@ def make_config(level: str = "O1", **overrides) -> AmpConfig:
     if not isinstance(keep_io, bool):
         raise ValueError(f"keep_io_types must be True or False, got {keep_io!r}")
     placement = overrides.get("cast_placement", True)
-    if not isinstance(placement, bool):
-        raise ValueError(f"cast_placement must be True or False, got {placement!r}")
-    config = AmpConfig(level=level, requested_level=requested, low_dtype=low, cast_placement=placement,
+    if not isinstance(placement, bool) and placement not in PLACEMENT_METHODS:
+        raise ValueError(f"cast_placement must be True, False or one of {PLACEMENT_METHODS}, got {placement!r}")
+    config = AmpConfig(level=level, requested_level=requested, low_dtype=low, cast_placement=placement is not False,
+                       placement_method=placement if isinstance(placement, str) else "cut",
                        keep_norm_fp32=keep_norms if keep_norms is not None else LEVELS[level].keep_norm_fp32,
                        keep_io_types=keep_io, loss_scale_manager=overrides.get("loss_scale_manager"),
                        rule_options={k: overrides[k] for k in RULE_KEYS if k in overrides})

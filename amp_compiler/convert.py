@@ -152,7 +152,8 @@ def _decide(state: FxState) -> PassResult:
     phases = keep_phases_fp32({n.name: facts(n).get("op") for n in state.gm.graph.nodes}.get)   # sin/cos arguments
     routing = keep_routing_fp32(state.gm)   # top-k scores and scatter-add buffers (MoE routing) stay fp32
     hooks = (constants, coordinates, phases, routing, *calibrated_hooks(state.gm.graph.nodes, state.low))   # calibrated: the ranges decide too
-    placement = FxCastPlacement(state.gm, rules, state.config.keep_io_types) if state.config.cast_placement else None
+    placement = FxCastPlacement(state.gm, rules, state.config.keep_io_types, state.config.placement_method) \
+        if state.config.cast_placement else None
     result = decide_fx_precision(state.gm, rules, painted=(*hooks, placement) if placement else hooks)
     if placement is not None:   # after calibration: casts move around the precisions the ranges allow
         result.counts.update(placement.counts)

@@ -24,7 +24,6 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmark
 from bench_convert import CastCounter  # noqa: E402
 
 import amp_compiler  # noqa: E402
-from amp_compiler.passes.fx.place_casts import FxCastPlacement  # noqa: E402
 from models import ZOO_NAMES, build  # noqa: E402
 
 LOW = torch.bfloat16
@@ -51,11 +50,11 @@ def _models(names: list[str], zoo_only: bool):
 
 def row(model, inputs) -> dict:
     results = {}
-    for label, placement, method in (("painted", False, "cut"), ("greedy", True, "greedy"), ("placed", True, "cut")):
-        FxCastPlacement.method = method
+    for label, placement in (("painted", False), ("greedy", "greedy"), ("placed", "cut")):
         gm = amp_compiler.convert(model, "O1", dtype=LOW, example_inputs=inputs, cast_placement=placement)
         results[label] = _measure(lambda: gm(*inputs))
         if placement:
+            method = placement
             counts = gm.meta["amp"].get("pass_counts", {}).get("decide_precision", {})   # {}: children converted
             results[f"{method}_predicted"] = (counts.get("bytes_cast_before", 0), counts.get("bytes_cast_after", 0))
             results[f"{method}_moved"] = counts.get("nodes_moved", 0)

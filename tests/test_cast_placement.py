@@ -192,3 +192,22 @@ def test_convert_onnx_places_casts_with_the_same_hook_and_fewer_bytes():
         session = make_session(report.model.SerializeToString())
         outputs.append(session.run(None, feeds(session))[0])
     np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-2, atol=1e-2 * np.abs(outputs[0]).max())
+
+
+def test_the_placement_method_is_an_option_of_the_conversion(monkeypatch):
+    import pytest
+    from amp_compiler.passes.fx import place_casts as fx_place_casts
+    methods = []
+
+    class Recorded(CastPlacement):
+        def __init__(self, flow, method="cut"):
+            methods.append(method)
+            super().__init__(flow, method)
+
+    monkeypatch.setattr(fx_place_casts, "CastPlacement", Recorded)
+    model, args = SliceExpandPool(), inputs()
+    for option in (True, "greedy", "cut"):
+        convert(model, "O1", example_inputs=args, dtype=LOW, cast_placement=option)
+    assert methods == ["cut", "greedy", "cut"]
+    with pytest.raises(ValueError, match="cast_placement must be True, False or one of"):
+        convert(model, "O1", example_inputs=args, dtype=LOW, cast_placement="fastest")

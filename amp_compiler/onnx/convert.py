@@ -135,7 +135,8 @@ class OnnxState:
 def _decide(state: OnnxState) -> PassResult:
     coordinates = keep_onnx_coordinates_fp32(state.model.graph)   # positions from Range stay fp32
     hooks = (coordinates, *calibrated_hooks(state.model.graph, state.config.low_dtype))
-    placement = OnnxCastPlacement(state.model, state.config.keep_io_types) if state.config.cast_placement else None
+    placement = OnnxCastPlacement(state.model, state.config.keep_io_types, state.config.placement_method) \
+        if state.config.cast_placement else None
     result = decide_onnx_precision(state.model, state.rules, state.low,
                                    op_block_list=state.op_block_list, node_block_list=state.node_block_list,
                                    painted=(*hooks, placement) if placement else hooks)

@@ -43,10 +43,8 @@ def _side(value: ir.Value) -> str:
 class OnnxCastPlacement:
     """A `painted` hook: builds the main graph's ValueFlow once painting has classified it, then places casts."""
 
-    method = "cut"
-
-    def __init__(self, model: ir.Model, keep_io_types: bool):
-        self.model, self.keep_io_types, self.counts = model, keep_io_types, {}
+    def __init__(self, model: ir.Model, keep_io_types: bool, method: str = "cut"):
+        self.model, self.keep_io_types, self.counts, self.method = model, keep_io_types, {}, method
 
     def __call__(self, view) -> None:
         if any(subgraphs_of(node) for node in self.model.graph):
