@@ -16,7 +16,7 @@ from torch import nn
 import amp_compiler
 from amp_compiler.config import make_config
 from amp_compiler.frontend import share_module_tree, trace
-from amp_compiler.onnx.export import export_fp32_reference, inference_copy
+from amp_compiler.onnx.export import export_fp32_reference, prepare_for_inference
 from amp_compiler.passes.fx.canonicalize import canonicalize
 from amp_compiler.passes.fx.fold_batch_norms import find_foldable_batch_norms, fold_batch_norms
 from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations
@@ -265,11 +265,15 @@ def test_a_norm_named_by_a_force_pattern_is_not_folded(tmp_path):
     assert value_types(onnx.load(path))[norm.input[0]] == F32
 
 
-def test_nothing_is_copied_at_o0_or_without_norms_and_in_place_activations():
+def test_nothing_is_rewritten_at_o0_or_without_norms_and_in_place_activations():
     model, x = _calibrated(ConvBlock()), torch.randn(2, 4, 8, 8)
-    assert inference_copy(model, (x,), None, make_config("O0"))[0] is model
-    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    assert inference_copy(plain, (torch.randn(2, 4),), None, make_config("O1"))[0] is plain
+    captured = trace(model, (x,))
+    code = captured.graph_module.code
+    assert prepare_for_inference(captured, make_config("O0")) == (captured, {
+        "fold_batch_norms": {"batch_norms_folded": 0}, "out_of_place_activations": {"activations_made_out_of_place": 0}})
+    assert captured.graph_module.code == code and isinstance(captured.graph_module.bn1, nn.BatchNorm2d)
+    plain = trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
+    assert prepare_for_inference(plain, make_config("O1"))[1]["fold_batch_norms"] == {"batch_norms_folded": 0}
 
 
 class AliasedWrite(nn.Module):

@@ -128,4 +128,4 @@ def test_export_onnx_progress_steps_through_export_passes_and_save(tmp_path, mon
     assert "export_onnx" in capsys.readouterr().err
     skipped = ("lower_graph_inputs", "declare_initializer_inputs", "infer_types:verify")   # keep_io_types, IR 10, export
     ran = [p.name for p in EXPORT_PIPELINE.passes if p.name not in skipped]
-    assert steps == ["inference copy", "convert", "torch.onnx.export", *ran, "save"]
+    assert steps == ["capture", "convert", "torch.onnx.export", *ran, "save"]

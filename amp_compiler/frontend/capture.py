@@ -53,14 +53,16 @@ def capture(model: nn.Module, example_inputs=None, dynamic_shapes=None) -> Captu
 
 def graph_module_to_compile(captured: CapturedGraph) -> fx.GraphModule:
     """A GraphModule the passes may rewrite: a copy of the captured graph (same node names, same generated
-    code; each node's meta copied, so facts a pass writes stay on the copy) on a copy of the capture's module
-    tree (the same tensors), with the model's own hooks. Compiling it never changes `captured`."""
+    code; each node's meta copied, so facts a pass writes stay on the copy) on the capture's module objects
+    (its own copy of the user's tree: the passes add attributes to the GraphModule, never to its modules),
+    with the model's own hooks. Compiling it never changes `captured`'s graph."""
     source = captured.graph_module
     graph = copy.deepcopy(source.graph)   # fx.Graph's own deepcopy: nodes by name, codegen (output type)
     for node in graph.nodes:
         node.meta = {key: _copied(value) for key, value in node.meta.items()}
-    root = share_module_tree(source)   # only read here: a GraphModule's class is its own (recompile writes it)
-    gm = graph_module_on(root, graph, type(source).__name__)
+    # The same module objects, not a copy: the capture is garbage once compiled, and a copy it held would keep
+    # weights a load_state_dict(assign=True) replaced alive (frozen copies of them too) until a gc cycle.
+    gm = graph_module_on(source, graph, type(source).__name__)
     move_root_hooks(source, gm)
     gm.meta.update(source.meta)
     return gm

@@ -1,7 +1,7 @@
 """export_onnx(): the graph convert() builds, exported as an fp16 ONNX model for inference.
 
-    model --inference_copy (a copy of the module tree: eval batch norms folded into their convs, in-place
-          activations out of place)--> convert(level) --> GraphModule with explicit casts
+    model --capture (once)--> inference passes on the captured graph (eval batch norms folded into their
+          convs, in-place activations out of place)--> compile_graph(level) --> GraphModule with explicit casts
           --torch.onnx.export(dynamo=True)--> ONNX --EXPORT_PIPELINE (print it)--> file
 
 The precision of every op is the one convert() chose, with what inference changes said out loud:
@@ -16,7 +16,7 @@ The precision of every op is the one convert() chose, with what inference change
 - weights are stored once, in fp16 where every reader can take it: embedding tables read by a lookup
   (lower_moved_weights) and a tied LM head's transposed copy (store_tied_weights_once);
 - a weight that fp16 cannot hold (|x| > 65504) would reach the graph as inf, so the nodes reading it are
-  converted again with force_fp32 and keep it exact.
+  compiled again from the same capture with force_fp32 and keep it exact.
 """
 from __future__ import annotations
 
@@ -35,17 +35,17 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.config import AmpConfig, make_config
-from amp_compiler.convert import convert
-from amp_compiler.frontend import share_module_tree, trace
-from amp_compiler.frontend.module_tree import unwrap_compiled
+from amp_compiler.convert import compile_graph, convert_uncapturable
+from amp_compiler.frontend import CapturedGraph, TracingError, capture, graph_module_to_compile, share_module_tree
 from amp_compiler.onnx.convert import ONNX_FINISH_PIPELINE, OnnxState, check_onnx_model, conversion_warnings
 from amp_compiler.onnx.files import save_onnx_model, weight_bytes
 from amp_compiler.onnx.progress import ConversionProgress, announcing
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts
 from amp_compiler.insight.report import explain
 from amp_compiler.passes.fx.canonicalize import canonicalize
-from amp_compiler.passes.fx.fold_batch_norms import find_foldable_batch_norms, fold_batch_norms
-from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place
+from amp_compiler.passes.fx.fold_batch_norms import (find_foldable_batch_norms, fold_batch_norms,
+                                                     fold_batch_norms_in_graph)
+from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place_in_graph
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
 from amp_compiler.passes.onnx.lower_moved_weights import lower_moved_onnx_weights
 from amp_compiler.passes.onnx.spec import is_float_type
@@ -71,17 +71,28 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
     started = time.perf_counter()
     args = args if isinstance(args, tuple) else (args,)
     config = make_config(level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
-    # steps: inference copy, convert, torch.onnx.export, each export pass, save
+    # steps: capture, convert, torch.onnx.export, each export pass, save
     with ConversionProgress(3 + len(EXPORT_PIPELINE.passes) + 1, enabled=progress, desc="export_onnx") as steps:
-        steps.advance("inference copy")
-        model, prepared = inference_copy(model, args, dynamic_shapes, config)
+        steps.advance("capture")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)   # pytree deprecations inside torch.export
+                captured = capture(model, args, dynamic_shapes)
+        except TracingError as error:   # as convert(): the model as written, its children converted
+            captured, prepared = None, inference_counts()
+            gm = convert_uncapturable(model, error, level, args, dynamic_shapes, None, False,
+                                      dict(overrides, dtype=dtype, keep_io_types=keep_io_types))
+        else:
+            captured, prepared = prepare_for_inference(captured, config)
+            model = captured.model
         steps.advance("convert")
-        gm = convert(model, level, example_inputs=args, dtype=dtype, keep_io_types=keep_io_types, **overrides)
+        if captured is not None:
+            gm = compile_graph(captured, config)
         kept, notes = _weights_beyond_fp16(gm) if config.low_dtype == torch.float16 else ((), [])
-        if kept:
+        if kept:   # the same capture, compiled again with the nodes reading those weights forced fp32
             force = (*_as_tuple(overrides.pop("force_fp32", ())), *kept)
-            gm = convert(model, level, example_inputs=args, dtype=dtype, keep_io_types=keep_io_types,
-                         force_fp32=force, **overrides)
+            gm = compile_graph(captured, make_config(level, dtype=dtype, keep_io_types=keep_io_types,
+                                                     force_fp32=force, **overrides))
         gm.eval()
         steps.advance("torch.onnx.export")
         onnx_model = _export(gm, args, dynamic_shapes)
@@ -108,36 +119,42 @@ def export_rows(gm: fx.GraphModule) -> list[dict]:
             for r in explained.rows]
 
 
-def inference_copy(model: nn.Module, args: tuple, dynamic_shapes, config: AmpConfig) -> tuple[nn.Module, dict]:
-    """`model`, or a copy of its module tree (sharing every tensor it does not replace) prepared for an
-    inference graph: eval BatchNorms folded into the convolutions before them (fold_batch_norms), in-place
-    activations out of place where nothing else sees the write (out_of_place_activations). Returns it with
-    what each step counted. Not at O0 (nothing is converted; torch.onnx's optimizer folds batch norms in an
-    fp32 export), not for a norm a force_* pattern names, and not for a model this cannot capture (convert()
-    then captures it again and says why)."""
-    counts = {"fold_batch_norms": {"batch_norms_folded": 0},
-              "out_of_place_activations": {"activations_made_out_of_place": 0}}
-    if not config.level_spec.paints or not isinstance(model, nn.Module) or not any(
-            isinstance(m, nn.modules.batchnorm._BatchNorm) or (isinstance(m, ACTIVATION_MODULES) and m.inplace)
-            for m in model.modules()):
-        return model, counts
-    model, _ = unwrap_compiled(model)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)   # pytree deprecations inside torch.export
-            traced = trace(model, args, dynamic_shapes)
-    except Exception:  # noqa: BLE001 - convert() captures the model again and reports what fails
-        return model, counts
-    gm, rules = traced.graph_module, config.precision_rules()
-    canonicalize(gm)
-    norms = [p for p in find_foldable_batch_norms(gm) if rules.forced(p.norm, p.nodes[1]) is None]
-    activations = find_inplace_activations(gm) if traced.frontend == "fx.symbolic_trace" else []
+def inference_counts() -> dict:
+    return {"fold_batch_norms": {"batch_norms_folded": 0},
+            "out_of_place_activations": {"activations_made_out_of_place": 0}}
+
+
+def prepare_for_inference(captured: CapturedGraph, config: AmpConfig) -> tuple[CapturedGraph, dict]:
+    """The capture made an inference graph by passes on it (its module tree is its own, the user's model is
+    never changed): eval BatchNorms folded into the convolutions before them (fold_batch_norms), in-place
+    activations out of place where nothing else sees the write (out_of_place_activations). Returns the capture
+    to compile, with what each step counted. Not at O0 (nothing is converted; torch.onnx's optimizer folds
+    batch norms in an fp32 export), not for a norm a force_* pattern names. A torch.export capture's ATen graph
+    is not rewritten: its model with the norms folded is captured again (the one case of a second capture)."""
+    counts = inference_counts()
+    if not config.level_spec.paints or not any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) or getattr(m, "inplace", False) is True
+            for m in captured.graph_module.modules()):
+        return captured, counts
+    analysed, rules = graph_module_to_compile(captured), config.precision_rules()   # facts on a copy
+    canonicalize(analysed)
+    norms = [p for p in find_foldable_batch_norms(analysed) if rules.forced(p.norm, p.nodes[1]) is None]
+    activations = find_inplace_activations(analysed) if captured.frontend == "fx.symbolic_trace" else []
     if not norms and not activations:
-        return model, counts
-    root = share_module_tree(model)
-    counts["fold_batch_norms"] = fold_batch_norms(root, norms).counts
-    counts["out_of_place_activations"] = make_out_of_place(root, activations).counts
-    return root, counts
+        return captured, counts
+    if captured.frontend != "fx.symbolic_trace":
+        root = share_module_tree(captured.model)
+        counts["fold_batch_norms"] = fold_batch_norms(root, norms).counts
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return capture(root, captured.example_inputs, captured.dynamic_shapes), counts
+    gm = captured.graph_module
+    counts["fold_batch_norms"] = fold_batch_norms_in_graph(gm, norms).counts
+    counts["out_of_place_activations"] = make_out_of_place_in_graph(gm, activations).counts
+    folded = {pair.norm for pair in norms}   # nn.Identity now: traced through, no hooks
+    captured.leaves = sorted({n.target for n in gm.graph.nodes if n.op == "call_module"})
+    captured.hooked = {path: kinds for path, kinds in captured.hooked.items() if path not in folded}
+    return captured, counts
 
 
 @dataclass

@@ -14,11 +14,13 @@ folding the module tree first lets convert() paint the graph an inference runtim
 works the same whatever the level decides for batch norms (fp32, or low activations with fp32 statistics).
 The folded weights are computed in fp32 and rounded to fp16 once, where the convolution runs low.
 
-Two steps, so the user's model is never touched:
+Steps, so the user's model is never touched:
   find_foldable_batch_norms(gm)         analysis of a captured graph (torch.fx leaf modules, or torch.export
                                         ATen ops): the (conv, batch norm) module paths that can be folded
   fold_batch_norms(root, pairs)         rewrite of a module tree the caller owns (a share_module_tree copy):
                                         new convolution modules with new parameters, nn.Identity for the norms
+  fold_batch_norms_in_graph(gm, pairs)  the same on a torch.fx capture (its tree is its own): the graph is
+                                        then the one a capture of the folded model gives, without capturing again
 A pair folds when the conv output's only reader is the norm, each module runs exactly once and its
 parameters are read nowhere else, the conv is a plain nn.Conv1d/2d/3d (not parametrized, no subclass
 forward such as weight standardisation) and the norm a plain BatchNorm with running statistics.
@@ -87,6 +89,19 @@ def fold_batch_norms(root: nn.Module, pairs: list[ConvBatchNorm]) -> PassResult:
         set_module(root, pair.conv, folded)
         set_module(root, pair.norm, nn.Identity())
     return PassResult(modified=bool(pairs), counts={"batch_norms_folded": len(pairs)})
+
+
+def fold_batch_norms_in_graph(gm: fx.GraphModule, pairs: list[ConvBatchNorm]) -> PassResult:
+    """fold_batch_norms on `gm`'s own module tree (a torch.fx capture's): each norm's call_module node now calls
+    the nn.Identity (a leaf), and says so in its module stack, as in a capture of the folded model."""
+    result = fold_batch_norms(gm, pairs)
+    norms = {pair.norm for pair in pairs}
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack and any(path in norms for path, _ in stack.values()):
+            node.meta["nn_module_stack"] = type(stack)((key, (path, nn.Identity if path in norms else kind))
+                                                       for key, (path, kind) in stack.items())
+    return result
 
 
 def _module_call(gm: fx.GraphModule, node: fx.Node) -> str | None:
