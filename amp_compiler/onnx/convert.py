@@ -13,7 +13,6 @@ import os
 import time
 from dataclasses import dataclass
 from functools import cached_property
-from typing import ClassVar
 
 import onnx
 import onnx_ir as ir
@@ -36,13 +35,17 @@ from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
 from amp_compiler.passes.onnx.infer_types import infer_onnx_types, infers_float_values
 from amp_compiler.passes.onnx.insert_casts import insert_onnx_casts
 from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
+from amp_compiler.passes.onnx.lower_moved_weights import lower_moved_onnx_weights
 from amp_compiler.passes.onnx.lower_movers_between_casts import lower_onnx_movers_between_casts
 from amp_compiler.passes.onnx.canonicalize import onnx_canonicalize
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline, count
 from amp_compiler.passes.onnx.store_moved_weights_low import store_moved_onnx_weights_low
 from amp_compiler.passes.onnx.store_tied_weights_once import store_onnx_tied_weights_once
 from amp_compiler.passes.onnx.strip_float_casts import strip_onnx_float_casts
+from amp_compiler.passes.onnx.unify_input_types import unify_onnx_input_types
 from amp_compiler.passes.onnx.unique_names import unique_onnx_names
+from amp_compiler.passes.onnx.widen_denied_ops import widen_denied_onnx_ops
+from amp_compiler.passes.onnx.widen_refused_nodes import widen_refused_onnx_nodes
 
 IR_LOW_DTYPES = {torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
 
@@ -121,7 +124,8 @@ class OnnxState:
     op_block_list: tuple[str, ...] = ()
     node_block_list: tuple[str, ...] = ()
     calibration_data: object = None
-    exported: ClassVar[bool] = False   # True for export_onnx: torch.onnx wrote the types and the Casts
+    exported: bool = False   # export_onnx: torch.onnx wrote the graph, its types and Casts, from convert()'s decisions
+    low_families: frozenset[str] = frozenset()   # export_onnx: op families convert() painted low somewhere
 
     @property
     def low(self) -> ir.DataType:
@@ -154,8 +158,19 @@ def check_onnx_model(state) -> None:
     onnx.checker.check_model(ir.serde.serialize_model(state.model))
 
 
-# How both entry points finish (export_onnx too): the precisions are decided and every Cast is in the graph.
+# How both entry points finish, once every precision is decided and every Cast is in the graph: export_onnx
+# after torch.onnx wrote convert()'s decisions, convert_onnx after insert_casts. Passes for one side say why.
+_EXPORTED = "on export_onnx"
+_EXPORTED_PAINTED = "on export_onnx at a level that paints (levels.py; not O0)"
 ONNX_FINISH_PIPELINE = Pipeline("onnx finish", (
+    Pass("unify_input_types", lambda s: unify_onnx_input_types(s.model),   # torch's fp16-data/fp32-weight norms
+         when=lambda s: s.exported, when_says=_EXPORTED),                    # (insert_casts makes types agree)
+    Pass("widen_refused_nodes", lambda s: widen_refused_onnx_nodes(s.model),   # fp16 kernels ONNX Runtime refuses
+         when=lambda s: s.exported, when_says=_EXPORTED),                        # (convert_onnx paints them fp32)
+    Pass("widen_denied_ops", lambda s: widen_denied_onnx_ops(s.model, s.rules, s.low_families),   # sdpa's Softmax
+         when=lambda s: s.exported and s.config.level_spec.paints, when_says=_EXPORTED_PAINTED),   # (decide did)
+    Pass("lower_moved_weights", lambda s: lower_moved_onnx_weights(s.model, s.low, s.rules),   # embedding tables
+         when=lambda s: s.exported and s.config.level_spec.paints, when_says=_EXPORTED_PAINTED),
     Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # weights, constants, chains, duplicates
     Pass("lower_movers_between_casts", lambda s: lower_onnx_movers_between_casts(s.model)),   # rows cast up, then down
     Pass("store_tied_weights_once", lambda s: store_onnx_tied_weights_once(s.model)),   # weights in final dtypes

@@ -26,8 +26,6 @@ import operator
 import os
 import time
 import warnings
-from dataclasses import dataclass
-from typing import ClassVar
 
 import onnx_ir as ir
 import torch
@@ -47,14 +45,10 @@ from amp_compiler.passes.fx.fold_batch_norms import (find_foldable_batch_norms, 
                                                      fold_batch_norms_in_graph)
 from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place_in_graph
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
-from amp_compiler.passes.onnx.lower_moved_weights import lower_moved_onnx_weights
 from amp_compiler.passes.onnx.spec import is_float_type
 from amp_compiler.passes.policy.numerics import ACTIVATION_MODULES, FP16_MAX
 from amp_compiler.passes.runner import Pass, Pipeline
-from amp_compiler.passes.onnx.unify_input_types import unify_onnx_input_types
 from amp_compiler.passes.onnx.unique_names import unique_onnx_names
-from amp_compiler.passes.onnx.widen_denied_ops import widen_denied_onnx_ops
-from amp_compiler.passes.onnx.widen_refused_nodes import widen_refused_onnx_nodes
 from amp_compiler.passes.node_facts import facts
 
 
@@ -157,22 +151,9 @@ def prepare_for_inference(captured: CapturedGraph, config: AmpConfig) -> tuple[C
     return captured, counts
 
 
-@dataclass
-class ExportState(OnnxState):
-    low_families: frozenset[str] = frozenset()   # op families convert() painted low somewhere
-    exported: ClassVar[bool] = True
-
-
-_PAINTING = "when the level paints (levels.py; not O0)"
 EXPORT_PIPELINE = Pipeline("export_onnx", (
     Pass("unique_names", lambda s: unique_onnx_names(s.model)),
-    Pass("unify_input_types", lambda s: unify_onnx_input_types(s.model)),   # torch's fp16-data/fp32-weight norms
-    Pass("widen_refused_nodes", lambda s: widen_refused_onnx_nodes(s.model)),   # fp16 kernels ONNX Runtime refuses
-    Pass("widen_denied_ops", lambda s: widen_denied_onnx_ops(s.model, s.rules, s.low_families),   # sdpa's Softmax
-         when=lambda s: s.config.level_spec.paints, when_says=_PAINTING),
-    Pass("lower_moved_weights", lambda s: lower_moved_onnx_weights(s.model, s.low, s.rules),   # embedding tables
-         when=lambda s: s.config.level_spec.paints, when_says=_PAINTING),
-    *ONNX_FINISH_PIPELINE.passes,   # as convert_onnx finishes: fold casts, store weights once, sort
+    *ONNX_FINISH_PIPELINE.passes,   # with the passes only an export needs (when=exported)
 ), check=check_onnx_model)
 
 
@@ -182,7 +163,7 @@ def run_export_pipeline(model: ir.Model, config: AmpConfig, gm: fx.GraphModule |
     (`gm`, the converted graph that was exported). on_pass(name) is called as each pass starts."""
     low_families = frozenset(facts(n).get("family") for n in gm.graph.nodes
                              if facts(n).get("precision") == "low") if gm is not None else frozenset()
-    return announcing(EXPORT_PIPELINE, on_pass).run(ExportState(model, config, low_families=low_families))
+    return announcing(EXPORT_PIPELINE, on_pass).run(OnnxState(model, config, exported=True, low_families=low_families))
 
 
 def export_fp32_reference(model: nn.Module, args: tuple, path, dynamic_shapes=None) -> None:
