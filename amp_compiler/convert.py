@@ -194,7 +194,7 @@ FX_PIPELINE = Pipeline("fx", (
          when=_paints, when_says=_PAINTING, reads=("dtype", "precision", "family", "fp32_weights", "inplace", "module"),
          writes=("op", "class", "precision", "dtype", "module", "rule")),
     Pass("fold_casts", lambda s: fold_casts(s.gm), when=_paints, when_says=_PAINTING,   # cleans up the inserts
-         reads=("dtype", "inplace")),
+         reads=("dtype", "inplace", "family")),
     Pass("cast_after_layout_ops", lambda s: cast_after_layout_ops(s.gm),   # a transposed low input slows matmuls
          when=_paints, when_says=_PAINTING, reads=("op", "precision", "dtype"),
          writes=("op", "dtype", "precision", "rule")),
