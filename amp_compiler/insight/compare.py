@@ -25,6 +25,7 @@ from torch import nn
 from amp_compiler.insight.graph_decisions import graph_summary, is_cast, module_of
 from amp_compiler.passes.fx.runtime import amp_frozen_cast, amp_frozen_module_call, amp_module_call
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.numerics import dtype_name
 
 MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23}
 DEFAULT_RTOL = {"float16": 1e-2, "bfloat16": 5e-2}
@@ -149,7 +150,7 @@ def _run_model(model: nn.Module, inputs: tuple):
 
 
 def describe_inputs(inputs: tuple) -> str:
-    return ", ".join(f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}" if isinstance(x, torch.Tensor)
+    return ", ".join(f"{dtype_name(x.dtype)}{list(x.shape)}" if isinstance(x, torch.Tensor)
                      else type(x).__name__ for x in inputs)
 
 
@@ -221,7 +222,7 @@ def tensor_error(candidate: torch.Tensor, reference: torch.Tensor, low: str, rto
         non_finite = int((~a.isfinite() & b.isfinite()).sum())
     ulp = 2.0 ** (math.floor(math.log2(scale)) - MANTISSA_BITS.get(low, 10)) if scale > 0 else math.inf
     relative = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    return NodeError(node, op, module, str(candidate.dtype).removeprefix("torch."), tuple(candidate.shape), max_abs,
+    return NodeError(node, op, module, dtype_name(candidate.dtype), tuple(candidate.shape), max_abs,
                      relative, max_abs / ulp if max_abs else 0.0, non_finite,
                      non_finite == 0 and max_abs <= rtol * scale + atol + 1e-12, value)
 
