@@ -6,7 +6,9 @@ For every model of tests/real_models.py, at O1 fp16, O1 bf16 and O2 bf16:
   * at run time (TorchDispatchMode) matmul/conv/attention kernels read low precision wherever autocast
     runs them low; at O1 norms, softmax and log_softmax read fp32; at O2 norm weights and statistics stay fp32;
   * amp_compiler.verify finds every node's real dtype equal to the recorded one;
-  * a call at a second batch size (another node count for PyG graphs) works and is as accurate.
+  * a call at a second batch size (another node count for PyG graphs) works and is as accurate;
+  * each conversion runs under checking_passes(): after every pass the graph is valid and the pass read and
+    wrote only the node facts its Pass declares (passes/runner.py).
 Beside them: build_train_network at O2 (fp16, bf16) for 5 steps on a subset, export_onnx at O1 on a
 subset (checker, ONNX Runtime, validate_onnx), and converting never modifies the user's model.
 """
@@ -24,6 +26,7 @@ from torch.utils import _pytree as pytree
 import amp_compiler
 from amp_compiler import build_train_network, convert, explain
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.runner import checking_passes
 from amp_testing import RELATIVE_TOLERANCE, AtenDtypeRecorder
 from onnx_testing import onnx_inputs
 from real_models import ONNX_NAMES, REAL_MODEL_NAMES, REAL_MODELS, TRAIN_NAMES
@@ -82,7 +85,8 @@ def converted(name: str, config: str):
         level, dtype = CONFIGS[config]
         model, _ = shared_model(name)
         try:
-            _CONVERSIONS[key] = (model, convert(model, level, dtype=dtype, example_inputs=spec.inputs()))
+            with checking_passes():   # each pass keeps the graph valid and reads and writes only what it declares
+                _CONVERSIONS[key] = (model, convert(model, level, dtype=dtype, example_inputs=spec.inputs()))
         except Exception as error:  # noqa: BLE001 - kept to re-raise per test
             _CONVERSIONS[key] = error
     result = _CONVERSIONS[key]
