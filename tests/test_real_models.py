@@ -28,6 +28,7 @@ from amp_compiler import build_train_network, convert, explain
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.runner import checking_passes
 from amp_testing import RELATIVE_TOLERANCE, AtenDtypeRecorder
+from golden import decisions as golden
 from onnx_testing import onnx_inputs
 from real_models import ONNX_NAMES, REAL_MODEL_NAMES, REAL_MODELS, TRAIN_NAMES
 
@@ -273,6 +274,20 @@ def test_second_batch_size(name, config):
     assert_same_structure(output, reference)
     assert_within_autocast_error(name, output, level, dtype, size)
     run_verify(gm, *inputs)
+
+
+@pytest.mark.parametrize("name, config", MODEL_CONFIGS)
+def test_decisions_and_code_unchanged(name, config):
+    """The cached conversion decides and generates what tests/golden/ recorded (a change meant to differ
+    regenerates it: tests/golden/regenerate.py); the zoo's part is tests/test_no_behaviour_change.py."""
+    try:
+        conversion = converted(name, config)[1]
+    except Exception as error:  # noqa: BLE001 - a conversion error is recorded too
+        conversion = error
+    key = f"real/{name}/{config}"
+    difference = golden.first_difference(key, golden.load()[key], golden.record(conversion))
+    if difference:
+        pytest.fail(difference, pytrace=False)
 
 
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
