@@ -1,5 +1,5 @@
 """export_onnx specifics: weights beyond fp16, dynamic shapes, low-precision I/O, torch's mixed-dtype norms;
-the export passes that make it an inference model (widen_denied_ops, lower_moved_weights,
+the export passes that make it an inference model (widen_denied_ops, store_moved_weights_low,
 lower_movers_between_casts, store_tied_weights_once). Real models: test_onnx_export_inference.py."""
 import numpy as np
 import onnx
@@ -144,7 +144,7 @@ def test_an_embedding_table_is_stored_fp16_unless_fp16_cannot_hold_it(tmp_path, 
     (lookup,) = nodes_of(onnx_model, "Gather")
     table = next(t for t in onnx_model.graph.initializer if t.name == lookup.input[0])
     assert table.data_type == stored
-    assert report.pass_counts["lower_moved_weights"]["moved_weights_stored_low"] == (stored == F16)
+    assert report.pass_counts["store_moved_weights_low"]["moved_weights_stored_low"] == (stored == F16)
     (out,) = run(path, {"tokens": tokens.numpy()})
     assert np.allclose(out, model(tokens).detach().numpy(), rtol=1e-2, atol=1e-2)
 

@@ -52,8 +52,8 @@ def stored_dtypes(model: onnx.ModelProto) -> dict[str, int]:
 def decided(model: ir.Model, **options) -> dict[str, tuple]:
     onnx_canonicalize(model)
     decide_onnx_precision(model, make_config("O1").precision_rules(), ir.DataType.FLOAT16, **options)
-    counts = store_moved_onnx_weights_low(model, ir.DataType.FLOAT16).counts
-    return counts, {n.name: (n.meta["amp"]["precision"], n.meta["amp"]["rule"]) for n in model.graph}
+    counts = store_moved_onnx_weights_low(model, ir.DataType.FLOAT16, make_config("O1").precision_rules()).counts
+    return counts, {n.name: (n.meta["amp"]["precision"], n.meta["amp"]["rule"]) for n in model.graph if "amp" in n.meta}
 
 
 def test_the_pass_repaints_the_fp32_lookup_and_says_why():

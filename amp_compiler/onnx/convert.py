@@ -1,8 +1,8 @@
 """convert_onnx(): an existing fp32 ONNX file to mixed precision, with the rules convert() uses for training.
 
     load -> unique names -> sort -> canonicalize -> type the source -> strip float casts -> decide
-         -> store moved weights low -> insert casts -> fold casts -> (lower graph inputs) -> re-infer types
-         -> sort -> save
+         -> insert casts -> ONNX_FINISH_PIPELINE (export_onnx's tail too: store moved weights low, fold casts,
+            store tied weights once, (lower graph inputs), re-infer types, sort) -> save
 
 The same policy table (passes/policy/op_policy.py), the same PrecisionRules and the same paint_precision decide;
 only the view builder and the rewrite are ONNX-specific.
@@ -35,7 +35,6 @@ from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
 from amp_compiler.passes.onnx.infer_types import infer_onnx_types, infers_float_values
 from amp_compiler.passes.onnx.insert_casts import insert_onnx_casts
 from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
-from amp_compiler.passes.onnx.lower_moved_weights import lower_moved_onnx_weights
 from amp_compiler.passes.onnx.lower_movers_between_casts import lower_onnx_movers_between_casts
 from amp_compiler.passes.onnx.canonicalize import onnx_canonicalize
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline, count
@@ -169,8 +168,8 @@ ONNX_FINISH_PIPELINE = Pipeline("onnx finish", (
          when=lambda s: s.exported, when_says=_EXPORTED),                        # (convert_onnx paints them fp32)
     Pass("widen_denied_ops", lambda s: widen_denied_onnx_ops(s.model, s.rules, s.low_families),   # sdpa's Softmax
          when=lambda s: s.exported and s.config.level_spec.paints, when_says=_EXPORTED_PAINTED),   # (decide did)
-    Pass("lower_moved_weights", lambda s: lower_moved_onnx_weights(s.model, s.low, s.rules),   # embedding tables
-         when=lambda s: s.exported and s.config.level_spec.paints, when_says=_EXPORTED_PAINTED),
+    Pass("store_moved_weights_low", lambda s: store_moved_onnx_weights_low(s.model, s.low, s.rules),   # tables
+         when=lambda s: s.config.level_spec.paints, when_says="when the level paints (levels.py; not O0)"),
     Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # weights, constants, chains, duplicates
     Pass("lower_movers_between_casts", lambda s: lower_onnx_movers_between_casts(s.model)),   # rows cast up, then down
     Pass("store_tied_weights_once", lambda s: store_onnx_tied_weights_once(s.model)),   # weights in final dtypes
@@ -192,7 +191,6 @@ ONNX_PIPELINE = Pipeline("onnx", (
          when=lambda s: s.calibration_data is not None, when_says="with calibration_data"),   # fp32 runs on samples
     Pass("strip_float_casts", lambda s: strip_onnx_float_casts(s.model)),   # records source dtypes, painting decides
     Pass("decide_precision", lambda s: _decide(s)),   # painting, calibration, then cast placement (as on fx)
-    Pass("store_moved_weights_low", lambda s: store_moved_onnx_weights_low(s.model, s.low)),   # revisits fp32 movers
     Pass("insert_casts", lambda s: insert_onnx_casts(s.model, s.low, s.config.keep_io_types)),
     *ONNX_FINISH_PIPELINE.passes,
 ), check=check_onnx_model)

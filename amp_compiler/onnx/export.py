@@ -14,7 +14,7 @@ The precision of every op is the one convert() chose, with what inference change
   scaled_dot_product_attention, the ReduceMean of a global average pool) run fp32, as the policy table says
   for every Softmax and reduction (widen_denied_ops);
 - weights are stored once, in fp16 where every reader can take it: embedding tables read by a lookup
-  (lower_moved_weights) and a tied LM head's transposed copy (store_tied_weights_once);
+  (store_moved_weights_low) and a tied LM head's transposed copy (store_tied_weights_once);
 - a weight that fp16 cannot hold (|x| > 65504) would reach the graph as inf, so the nodes reading it are
   compiled again from the same capture with force_fp32 and keep it exact.
 """

@@ -6,7 +6,7 @@
 Exact: a mover (the policy's clear class, family "shape": Transpose, Reshape, Gather, Slice...) changes no
 value, and fp16 -> fp32 -> fp16 is the identity, so the rewritten graph computes the same bits with fewer
 Casts. The export needs it where convert() left a mover on the fp32 side of a boundary that a later pass moved
-(an embedding table stored low by lower_moved_weights: its rows are cast up, and a Transpose that only fed a
+(an embedding table stored low by store_moved_weights_low: its rows are cast up, and a Transpose that only fed a
 low MatMul through a Cast down can read them low). A mover with an fp32 reader, or whose output is a graph
 output, is left alone. Counts the movers lowered and the Casts removed.
 """
