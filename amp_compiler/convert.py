@@ -177,12 +177,12 @@ FX_PIPELINE = Pipeline("fx", (
          writes=("class", "family", "precision", "rule")),
     Pass("calibrate_ranges", lambda s: record_ranges(s.gm, s.calibration_data, s.low),   # fp32 runs on samples
          when=lambda s: s.paints and s.calibration_data is not None, when_says="with calibration_data, at a level that paints",
-         reads=("op", "dtype"), writes=("range",)),
+         writes=("range",)),
     Pass("decide_precision", _decide, when=_paints, when_says=_PAINTING,   # low/fp32 on floats
          reads=("op", "inplace", "dtype", "range"), writes=_DECISION),
     Pass("warn_constants_beyond_fp16", lambda s: warn_constants_beyond_fp16(s.gm),   # -1e9 into a float16 op
          when=lambda s: s.paints and s.low == torch.float16, when_says="when the level paints, in float16",
-         reads=("op", "family", "precision", "class"), writes=("warning",)),
+         reads=("family", "precision", "class"), writes=("warning",)),
     Pass("plan_opaque_calls", lambda s: plan_opaque_calls(s.gm, s.low),   # bodies under autocast, outputs as before
          when=_paints, when_says=_PAINTING, reads=("dtype",), writes=("rule",)),
     Pass("lower_leaf_modules", lambda s: lower_leaf_modules(s.gm, s.low),   # params via get_attr: castable

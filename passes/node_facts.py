@@ -12,19 +12,28 @@ from typing import Any, TypedDict
 import torch
 
 NodeFacts = TypedDict("NodeFacts", {
-    "op": str,                # canonicalize: the canonical op name of op_policy ("linear", "softmax", "cast", ...)
+    # "key": type,  # the passes whose Pass(writes=...) name it (fx / onnx: that IR only; tests/test_runner.py
+    #                 checks these lists against the pipelines): what it means
+    "op": str,                # canonicalize, lower_leaf_modules (fx), insert_casts (fx), cast_after_layout_ops (fx),
+                              # fused_attention_masks (fx): the canonical op name of op_policy ("linear", "cast", ...)
     "inplace": bool,          # canonicalize (fx): the op writes its first operand in place
-    "module": str,            # decide_precision / canonicalize (onnx): the module path that owns the node
-    "dtype": Any,             # infer_dtypes (fx): torch.dtype of the value, None when not a tensor / unknown
-    "original_dtype": Any,    # infer_dtypes (fx): the dtype the value had before painting (ints stay ints)
-    "class": str,             # decide_precision: allow | infer | deny | clear | ignore | io | cast | opaque ...
-    "family": str,            # decide_precision: the op family of the policy table (matmul, norm, shape, ...)
+    "module": str,            # decide_precision (fx), canonicalize (onnx), insert_casts (fx): the module path that owns the node
+    "dtype": Any,             # infer_dtypes (fx), insert_casts (fx), cast_after_layout_ops (fx): torch.dtype of the value,
+                              # None when not a tensor / unknown
+    "original_dtype": Any,    # infer_dtypes (fx): the dtype the value had before painting (an int stays an int)
+    "class": str,             # mark_unchanged (fx), decide_precision, lower_leaf_modules (fx), insert_casts (fx),
+                              # fused_attention_masks (fx): allow | infer | deny | clear | ignore | io | cast | opaque ...
+    "family": str,            # mark_unchanged (fx), decide_precision: the op family of the policy table (matmul, norm, ...)
     "reason": str,            # decide_precision: the policy table's reason for the class
-    "precision": str | None,  # decide_precision: "low" | "fp32" | None (not painted: ints, shapes, io)
-    "rule": str,              # decide_precision and later rewrites: why the node has its precision, in words
+    "precision": str | None,  # mark_unchanged (fx), decide_precision, lower_leaf_modules (fx), insert_casts (fx),
+                              # cast_after_layout_ops (fx), fused_attention_masks (fx), store_moved_weights_low (onnx):
+                              # "low" | "fp32" | None (not painted: ints, shapes, io)
+    "rule": str,              # mark_unchanged (fx), decide_precision, plan_opaque_calls (fx), lower_leaf_modules (fx),
+                              # insert_casts (fx), cast_after_layout_ops (fx), promote_in_kernel (fx),
+                              # fused_attention_masks (fx), store_moved_weights_low (onnx): why the node has its precision
     "forced": str,            # decide_precision (onnx): which user rule forced the node
     "fp32_weights": bool,     # decide_precision (fx): a low op that keeps fp32 weights (mixed-kernel norms)
-    "range": dict,            # calibrate_ranges (fx): samples, max_abs, overflows, read_max, read_from, below_normal
+    "range": dict,            # calibrate_ranges: samples, max_abs, overflows, read_max, read_from, below_normal
     "hooks": list,            # front end (fx): the user hooks on the module a call_module node calls; it stays a call
     "warning": str,           # warn_constants_beyond_fp16 (fx): a constant beyond fp16 that reaches a float16 op
 }, total=False)

@@ -11,6 +11,7 @@ import amp_compiler
 from amp_compiler.convert import FX_PIPELINE
 from amp_compiler.onnx.convert import ONNX_PIPELINE
 from amp_compiler.onnx.export import EXPORT_PIPELINE
+from amp_compiler.passes.node_facts import NodeFacts
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline, checking_passes, count
 from amp_testing import LinearNormNet
 
@@ -82,3 +83,76 @@ def test_passes_readme_shows_the_pipelines_as_printed():
     readme = (Path(__file__).resolve().parents[1] / "passes" / "README.md").read_text()
     for pipeline in (FX_PIPELINE, ONNX_PIPELINE, EXPORT_PIPELINE):
         assert str(pipeline) in readme, f"passes/README.md: paste the printed {pipeline.name} pipeline again"
+
+
+def _facts_pipeline(*passes, front_end=()):
+    return Pipeline("test", passes, nodes=lambda gm: list(gm.graph.nodes), front_end_facts=front_end)
+
+
+def _write_op(gm):
+    for node in gm.graph.nodes:
+        node.meta.setdefault("amp", {})["op"] = node.name
+    return PassResult(False)
+
+
+def test_a_pass_that_writes_an_undeclared_fact_is_named_with_the_node():
+    def paints(gm):
+        next(n for n in gm.graph.nodes if n.op == "call_module").meta["amp"]["precision"] = "low"
+        return PassResult(False)
+
+    pipeline = _facts_pipeline(Pass("names", _write_op, writes=("op",)), Pass("paints", paints, writes=("rule",)))
+    pipeline.run(torch.fx.symbolic_trace(LinearNormNet()))          # no checks asked for: nothing is checked
+    with checking_passes(), pytest.raises(RuntimeError, match="pass 'paints' wrote facts \\['precision'\\]") as caught:
+        pipeline.run(torch.fx.symbolic_trace(LinearNormNet()))
+    assert "on node 'fc'" in str(caught.value) and "in pass 'paints' of the test pipeline" in _trace(caught.value)
+
+
+def test_a_pass_that_reads_an_undeclared_fact_is_named():
+    def reads_op(gm):
+        return PassResult(False, {"ops": sum(1 for n in gm.graph.nodes if n.meta["amp"].get("op"))})
+
+    with checking_passes():
+        _facts_pipeline(Pass("names", _write_op, writes=("op",)), Pass("reads", reads_op, reads=("op",))).run(
+            torch.fx.symbolic_trace(LinearNormNet()))
+        with pytest.raises(RuntimeError, match="pass 'reads' read facts \\['op'\\]"):
+            _facts_pipeline(Pass("names", _write_op, writes=("op",)), Pass("reads", reads_op)).run(
+                torch.fx.symbolic_trace(LinearNormNet()))
+
+
+def test_a_pipeline_refuses_a_read_that_no_earlier_pass_writes():
+    with pytest.raises(ValueError, match="pass 'reads': reads \\['op'\\], which no earlier pass"):
+        _facts_pipeline(Pass("reads", lambda s: PassResult(False), reads=("op",)), Pass("names", _write_op, writes=("op",)))
+    with pytest.raises(ValueError, match="\\['colour'\\] are not in node_facts.py"):
+        _facts_pipeline(Pass("paints", lambda s: PassResult(False), writes=("colour",)))
+    _facts_pipeline(Pass("reads", lambda s: PassResult(False), reads=("hooks",)), front_end=("hooks",))
+
+
+def _declared_writers() -> dict[str, set[str]]:
+    """fact -> "pass (fx)" / "pass (onnx)" for every pipeline's declarations; one name for a pass both IRs have."""
+    writers: dict[str, dict[str, set[str]]] = {}
+    for pipeline, ir in ((FX_PIPELINE, "fx"), (ONNX_PIPELINE, "onnx"), (EXPORT_PIPELINE, "onnx")):
+        for fact in pipeline.front_end_facts if pipeline is not EXPORT_PIPELINE else ():   # its nodes carry none
+            writers.setdefault(fact, {}).setdefault("front end", set()).add(ir)
+        for step in pipeline.passes:
+            for fact in step.writes:
+                writers.setdefault(fact, {}).setdefault(step.name.split(":")[0], set()).add(ir)
+    return {fact: {name if irs == {"fx", "onnx"} else f"{name} ({irs.pop()})" for name, irs in by_pass.items()}
+            for fact, by_pass in writers.items()}
+
+
+def test_node_facts_names_the_passes_that_declare_each_fact():
+    source = (Path(__file__).resolve().parents[1] / "passes" / "node_facts.py").read_text()
+    documented, fact = {}, None
+    table = source[source.index("NodeFacts = TypedDict"):source.index("}, total=False)")]
+    for line in table.splitlines()[1:]:
+        key, _, comment = line.partition("#")
+        if key.strip().startswith('"'):
+            fact = key.split('"')[1]
+            documented[fact] = comment
+        elif fact is not None and not key.strip() and comment:
+            documented[fact] += comment          # the comment goes on under its key
+    documented = {f: {w.strip() for w in c.split(":", 1)[0].split(",")} for f, c in documented.items()}
+    assert set(documented) == set(NodeFacts.__annotations__)
+    declared = _declared_writers()
+    assert {f: documented[f] for f in documented} == {f: declared.get(f, set()) for f in documented}, \
+        "passes/node_facts.py: the writers of each fact must be the passes whose Pass(writes=...) names it"

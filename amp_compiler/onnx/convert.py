@@ -36,7 +36,7 @@ from amp_compiler.passes.onnx.infer_types import infer_onnx_types, infers_float_
 from amp_compiler.passes.onnx.insert_casts import insert_onnx_casts
 from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
 from amp_compiler.passes.onnx.lower_movers_between_casts import lower_onnx_movers_between_casts
-from amp_compiler.passes.onnx.canonicalize import onnx_canonicalize
+from amp_compiler.passes.onnx.canonicalize import all_nodes, onnx_canonicalize
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline, count
 from amp_compiler.passes.onnx.store_moved_weights_low import store_moved_onnx_weights_low
 from amp_compiler.passes.onnx.store_tied_weights_once import store_onnx_tied_weights_once
@@ -160,6 +160,9 @@ def check_onnx_model(state) -> None:
 # How both entry points finish, once every precision is decided and every Cast is in the graph: export_onnx
 # after torch.onnx wrote convert()'s decisions, convert_onnx after insert_casts. Passes for one side say why.
 _EXPORTED = "on export_onnx"
+# What the nodes may carry when the finishing passes start: convert_onnx's decisions (export_onnx's nodes, written by
+# torch.onnx, carry none: the decisions are in their types and Casts, and reading a fact a node lacks reads nothing).
+_DECIDED = ("op", "module", "class", "family", "reason", "precision", "rule", "forced", "range")
 _EXPORTED_PAINTED = "on export_onnx at a level that paints (levels.py; not O0)"
 ONNX_FINISH_PIPELINE = Pipeline("onnx finish", (
     Pass("unify_input_types", lambda s: unify_onnx_input_types(s.model),   # torch's fp16-data/fp32-weight norms
@@ -169,7 +172,8 @@ ONNX_FINISH_PIPELINE = Pipeline("onnx finish", (
     Pass("widen_denied_ops", lambda s: widen_denied_onnx_ops(s.model, s.rules, s.low_families),   # sdpa's Softmax
          when=lambda s: s.exported and s.config.level_spec.paints, when_says=_EXPORTED_PAINTED),   # (decide did)
     Pass("store_moved_weights_low", lambda s: store_moved_onnx_weights_low(s.model, s.low, s.rules),   # tables
-         when=lambda s: s.config.level_spec.paints, when_says="when the level paints (levels.py; not O0)"),
+         when=lambda s: s.config.level_spec.paints, when_says="when the level paints (levels.py; not O0)",
+         reads=("forced",), writes=("precision", "rule")),
     Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # weights, constants, chains, duplicates
     Pass("lower_movers_between_casts", lambda s: lower_onnx_movers_between_casts(s.model)),   # rows cast up, then down
     Pass("store_tied_weights_once", lambda s: store_onnx_tied_weights_once(s.model)),   # weights in final dtypes
@@ -178,22 +182,25 @@ ONNX_FINISH_PIPELINE = Pipeline("onnx finish", (
     Pass("declare_initializer_inputs", lambda s: declare_initializer_inputs(s.model),   # IR 3 wants them
          when=lambda s: s.model.ir_version < 4, when_says="when the model's IR version is below 4"),
     Pass("infer_types:verify", lambda s: infer_onnx_types(s.model, verify_rewrite=True),   # ONNX must agree
-         when=lambda s: not s.exported, when_says="on convert_onnx (it checks its own rewrite's types)"),
+         when=lambda s: not s.exported, when_says="on convert_onnx (it checks its own rewrite's types)",
+         reads=("precision",)),
     Pass("sort:after_rewrite", lambda s: sort_nodes(s.model)),
-), check=check_onnx_model)
+), check=check_onnx_model, nodes=lambda s: list(all_nodes(s.model.graph)), front_end_facts=_DECIDED)
 
 ONNX_PIPELINE = Pipeline("onnx", (
     Pass("unique_names", lambda s: unique_onnx_names(s.model)),   # decisions and block lists address nodes by name
     Pass("sort", lambda s: sort_nodes(s.model)),
-    Pass("canonicalize", lambda s: onnx_canonicalize(s.model)),
+    Pass("canonicalize", lambda s: onnx_canonicalize(s.model), writes=("op", "module")),
     Pass("infer_types:fill", lambda s: infer_onnx_types(s.model, verify_rewrite=False)),   # what is float
     Pass("calibrate_ranges", lambda s: record_onnx_ranges(s.model, s.calibration_data, s.config.low_dtype),
-         when=lambda s: s.calibration_data is not None, when_says="with calibration_data"),   # fp32 runs on samples
+         when=lambda s: s.calibration_data is not None, when_says="with calibration_data",   # fp32 runs on samples
+         writes=("range",)),
     Pass("strip_float_casts", lambda s: strip_onnx_float_casts(s.model)),   # records source dtypes, painting decides
-    Pass("decide_precision", lambda s: _decide(s)),   # painting, calibration, then cast placement (as on fx)
-    Pass("insert_casts", lambda s: insert_onnx_casts(s.model, s.low, s.config.keep_io_types)),
+    Pass("decide_precision", lambda s: _decide(s),   # painting, calibration, then cast placement (as on fx)
+         reads=("op", "module", "range"), writes=("class", "family", "reason", "precision", "rule", "forced")),
+    Pass("insert_casts", lambda s: insert_onnx_casts(s.model, s.low, s.config.keep_io_types), reads=("precision",)),
     *ONNX_FINISH_PIPELINE.passes,
-), check=check_onnx_model)
+), check=check_onnx_model, nodes=ONNX_FINISH_PIPELINE.nodes)
 
 
 def run_onnx_pipeline(model: ir.Model, config: AmpConfig, *, op_block_list=(), node_block_list=(),

@@ -154,7 +154,7 @@ def prepare_for_inference(captured: CapturedGraph, config: AmpConfig) -> tuple[C
 EXPORT_PIPELINE = Pipeline("export_onnx", (
     Pass("unique_names", lambda s: unique_onnx_names(s.model)),
     *ONNX_FINISH_PIPELINE.passes,   # with the passes only an export needs (when=exported)
-), check=check_onnx_model)
+), check=check_onnx_model, nodes=ONNX_FINISH_PIPELINE.nodes, front_end_facts=("forced",))   # none carried (_DECIDED)
 
 
 def run_export_pipeline(model: ir.Model, config: AmpConfig, gm: fx.GraphModule | None = None, *,
