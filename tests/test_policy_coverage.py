@@ -110,7 +110,6 @@ SAMPLES = {
                                                  attn_mask=r(5, 5, dtype=d), dropout_p=0.1)],
     "prelu": [lambda d: F.prelu(r(2, 3, 4, dtype=d), r(3, dtype=d))],
     "grouped_mm": [lambda d: _grouped_mm(torch._grouped_mm, d)],
-    "_grouped_mm": [lambda d: _grouped_mm(torch._grouped_mm, d)],
     "grouped_mm_fallback": [lambda d: _grouped_mm(_transformers_grouped_mm(), d)],
     "lstm": [_module(lambda: nn.LSTM(4, 3, batch_first=True), 2, 5, 4)],
     "gru": [_module(lambda: nn.GRU(4, 3, bidirectional=True), 5, 2, 4)],
@@ -509,3 +508,20 @@ def test_torchvision_s3d_runs_at_o1_bf16_on_cpu_within_twice_autocasts_error():
     finally:
         torch.set_num_threads(threads)
     assert ours <= max(2 * autocast, 2.0 ** -8), (ours, autocast)   # floor: one bf16 rounding
+
+
+class Spectrum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.fft.rfft(self.proj(x)).abs()
+
+
+def test_a_node_reading_complex_values_is_explained_as_such():
+    # abs of an rfft reads complex64: its rule says so, not "integer operands", and no rule calls it a count
+    gm = amp_compiler.convert(Spectrum().eval(), "O2", dtype=torch.bfloat16, example_inputs=(torch.randn(4, 16),))
+    rules = {row["node"]: row["rule"] for row in amp_compiler.explain(gm).to_dict()["rows"]}
+    assert rules["abs_1"].startswith("clear: complex operands only"), rules["abs_1"]
+    assert not any(rule.startswith("counts:") for rule in rules.values())

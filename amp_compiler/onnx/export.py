@@ -46,7 +46,7 @@ from amp_compiler.passes.fx.fold_batch_norms import (find_foldable_batch_norms, 
 from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place_in_graph
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
 from amp_compiler.passes.onnx.spec import is_float_type
-from amp_compiler.passes.policy.numerics import ACTIVATION_MODULES, FP16_MAX
+from amp_compiler.passes.policy.numerics import FP16_MAX
 from amp_compiler.passes.runner import Pass, Pipeline
 from amp_compiler.passes.onnx.unique_names import unique_onnx_names
 from amp_compiler.passes.node_facts import facts

@@ -101,7 +101,9 @@ class FxNodes:
             return forced
         if not any(is_float(facts(a).get("dtype")) for a in node.all_input_nodes) and node.op != "call_module":
             # int64 / 8, ints * 0.5: type promotion computes the default float dtype; no cast reaches it
-            return ("fp32", f"{amp['class']}: integer operands only: computes {dtype_name(amp.get('dtype'))} "
+            kind = "complex" if any(getattr(facts(a).get("dtype"), "is_complex", False)   # abs(rfft(x))
+                                    for a in node.all_input_nodes) else "integer"
+            return ("fp32", f"{amp['class']}: {kind} operands only: computes {dtype_name(amp.get('dtype'))} "
                             "by type promotion, whatever the level")
         big = constant_beyond(node, low_max(rules.low_dtype)) if forced is None else None
         if big is not None:

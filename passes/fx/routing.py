@@ -23,6 +23,7 @@ import operator
 from typing import Callable
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
 from amp_compiler.passes.fx.aliases import written_views
@@ -120,7 +121,9 @@ def keep_routing_fp32(gm: fx.GraphModule) -> Callable[[nx.DiGraph], None]:
                 _keep_fp32(view, node.name, f"routing: {what}: low precision ties or swaps close scores and "
                                             "another index is chosen (another expert runs), kept fp32")
         for node in nodes:
-            makes_integers = facts(node).get("class") != "clear" and not is_float(facts(node).get("dtype"))
+            dtype = facts(node).get("dtype")   # integer out (complex rfft, unknown dtypes are no counts)
+            makes_integers = facts(node).get("class") != "clear" and isinstance(dtype, torch.dtype) \
+                and not (dtype.is_floating_point or dtype.is_complex)
             if node.name in view and (facts(node).get("op") in COUNTS or makes_integers):   # not a tuple's indices
                 _keep_fp32(view, node.name, "counts: tokens per expert (histc) or floats made integers (cumsum("
                                             "dtype=int32)): bf16 holds integers exactly only up to 256, kept fp32")

@@ -41,7 +41,7 @@ _TABLE: list[OpRule] = [
     *_rules("allow", "matmul", "dense matmul: tensor-core throughput, fp32 accumulation inside the kernel",
             "linear matmul mm bmm mv addmm addmv addr addbmm baddbmm einsum chain_matmul multi_dot bilinear tensordot"),
     *_rules("allow", "matmul", "grouped matmul (a mixture of experts' experts, one group of tokens per expert): "
-            "dense matmuls, fp32 accumulation inside the kernel", "grouped_mm _grouped_mm grouped_mm_fallback"),
+            "dense matmuls, fp32 accumulation inside the kernel", "grouped_mm grouped_mm_fallback"),
     *_rules("allow", "conv", "convolution: tensor-core throughput, fp32 accumulation inside the kernel",
             "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution conv_tbc"),
     *_rules("allow", "attention", "fused attention kernels keep softmax statistics in fp32 internally",
