@@ -165,3 +165,58 @@ def test_the_inference_passes_give_the_graph_a_capture_of_the_edited_model_gives
     assert compiled.code == reference.code
     assert amp_compiler.explain(compiled).rows == amp_compiler.explain(reference).rows
     assert isinstance(model.bn, nn.BatchNorm2d) and model.act.inplace      # the user's model as it was
+
+
+class ShapeBranchNet(ConvNet):
+    """ConvNet behind a branch on the input's shape: torch.fx cannot trace it, torch.export captures ATen ops."""
+
+    def __init__(self, dropout: bool = False):
+        super().__init__()
+        self.drop = nn.Dropout(0.1) if dropout else nn.Identity()
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            x = self.act(self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))))
+            return self.head(self.drop(x.mean((2, 3))))
+        return x.sum()
+
+
+def _shape_branch_net(dropout: bool = False) -> ShapeBranchNet:
+    model = ShapeBranchNet(dropout)
+    model.load_state_dict(_model().state_dict(), strict=False)
+    return model.eval()
+
+
+def test_export_onnx_of_a_torch_export_capture_captures_once(captures, tmp_path):
+    model = _shape_branch_net()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = amp_compiler.export_onnx(model, (X,), str(tmp_path / "net.onnx"))
+    assert captures == {"fx": 1, "torch.export": 1}   # the fx attempt that fails, the one torch.export capture
+    assert report.pass_counts["fold_batch_norms"] == {"batch_norms_folded": 2}
+    assert not [n for n in onnx.load(str(tmp_path / "net.onnx")).graph.node if n.op_type == "BatchNormalization"]
+    assert isinstance(model.bn1, nn.BatchNorm2d) and model.conv1.bias is None   # the user's model as it was
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("dropout, force", [(False, ()), (True, ()), (False, ("bn1",))],
+                         ids=["all_folded", "dropout_keeps_the_flag", "one_norm_forced"])
+def test_the_aten_graph_fold_gives_the_graph_a_capture_of_the_folded_model_gives(dropout, force):
+    """torch.export capture: the ATen graph folded in place is the one a second capture of the folded model gave
+    (same code and node names, notes, compiled decisions), whether the train flag stays read or not."""
+    model, config = _shape_branch_net(dropout), make_config("O1", force_fp32=force)
+    captured, counts = prepare_for_inference(capture(model, (X,)), config)
+    assert captured.frontend == "torch.export" and captured.model is model
+    folded = [pair for pair in (("conv1", "bn1"), ("conv2", "bn2")) if pair[1] not in force]
+    assert counts["fold_batch_norms"] == {"batch_norms_folded": len(folded)}
+    edited = share_module_tree(model)
+    fold_batch_norms(edited, [ConvBatchNorm(conv, norm, (conv, norm)) for conv, norm in folded])
+    recaptured = capture(edited, (X,))
+    assert captured.graph_module.code == recaptured.graph_module.code
+    assert (captured.notes, captured.hooked, captured.leaves) == (recaptured.notes, recaptured.hooked, recaptured.leaves)
+    compiled, reference = compile_graph(captured, config), compile_graph(recaptured, config)
+    assert compiled.code == reference.code
+    assert amp_compiler.explain(compiled).rows == amp_compiler.explain(reference).rows
+    torch.testing.assert_close(compiled(X), reference(X), rtol=0, atol=0)
+    assert isinstance(model.bn1, nn.BatchNorm2d) and model.conv1.bias is None   # the user's model as it was

@@ -57,8 +57,7 @@ def export_graph(model: nn.Module, root: nn.Module, example_inputs: tuple, dynam
     for node in graph.nodes:  # constants torch.export lifted out of the code, and the guards, live on `unlifted`
         if node.op in ("get_attr", "call_module") and not _has_attr(root, node.target):
             _set_attr(root, node.target, operator.attrgetter(node.target)(unlifted))
-    live = _make_training_flags_live(root, graph)
-    notes.append(f"captured with torch.export; {live} dropout/batch-norm train flags follow train()/eval()")
+    notes.append(_training_flags_note(_make_training_flags_live(root, graph)))
     fixed = _fixed_dims(graph)
     notes.extend(f"input {name}: dim {', '.join(f'{d}={n}' for d, n in dims.items())} fixed ({why_fixed}); "
                  "calls with another size there raise; convert(..., dynamic_shapes=...) or another example "
@@ -213,6 +212,28 @@ def _make_training_flags_live(root: nn.Module, graph: fx.Graph) -> int:
                 args[index] = graph.call_function(dropout_p_when_training, (args[index], flag))
         node.args = tuple(args)
     return len(users)
+
+
+def _training_flags_note(live: int) -> str:
+    return f"captured with torch.export; {live} dropout/batch-norm train flags follow train()/eval()"
+
+
+def settle_training_flag(gm: fx.GraphModule, notes: list[str]) -> list[str]:
+    """After a pass removed readers of the train flag (folded batch norms): the flag and its note as a capture of
+    the edited model has them (no flag when nothing reads it, else it runs just before its first reader)."""
+    flag = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == "amp_training_flag"), None)
+    if flag is None:
+        return notes
+    live = len(flag.users)
+    if live:
+        next(n for n in gm.graph.nodes if n in flag.users).prepend(flag)
+    else:
+        gm.graph.erase_node(flag)
+        gm.delete_submodule("amp_training_flag")
+    gm.recompile()
+    prefix, _, suffix = _training_flags_note(0).partition("0")
+    return [_training_flags_note(live) if note.startswith(prefix) and note.endswith(suffix) else note
+            for note in notes]
 
 
 def export_failure(model, fx_error, export_error) -> TracingError:

@@ -34,14 +34,15 @@ from torch import nn
 
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert import compile_graph, convert_uncapturable
-from amp_compiler.frontend import CapturedGraph, TracingError, capture, graph_module_to_compile, share_module_tree
+from amp_compiler.frontend import CapturedGraph, TracingError, capture, graph_module_to_compile
+from amp_compiler.frontend.export_capture import settle_training_flag
 from amp_compiler.onnx.convert import ONNX_FINISH_PIPELINE, OnnxState, check_onnx_model, conversion_warnings
 from amp_compiler.onnx.files import save_onnx_model, weight_bytes
 from amp_compiler.onnx.progress import ConversionProgress, announcing
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts
 from amp_compiler.insight.report import explain
 from amp_compiler.passes.fx.canonicalize import canonicalize
-from amp_compiler.passes.fx.fold_batch_norms import (find_foldable_batch_norms, fold_batch_norms,
+from amp_compiler.passes.fx.fold_batch_norms import (find_foldable_batch_norms, fold_batch_norms_in_aten_graph,
                                                      fold_batch_norms_in_graph)
 from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place_in_graph
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
@@ -124,7 +125,8 @@ def prepare_for_inference(captured: CapturedGraph, config: AmpConfig) -> tuple[C
     activations out of place where nothing else sees the write (out_of_place_activations). Returns the capture
     to compile, with what each step counted. Not at O0 (nothing is converted; torch.onnx's optimizer folds
     batch norms in an fp32 export), not for a norm a force_* pattern names. A torch.export capture's ATen graph
-    is not rewritten: its model with the norms folded is captured again (the one case of a second capture)."""
+    is rewritten too (fold_batch_norms_in_aten_graph; its in-place ops are functional already): the model is
+    never captured again."""
     counts = inference_counts()
     if not config.level_spec.paints or not any(
             isinstance(m, nn.modules.batchnorm._BatchNorm) or getattr(m, "inplace", False) is True
@@ -136,18 +138,16 @@ def prepare_for_inference(captured: CapturedGraph, config: AmpConfig) -> tuple[C
     activations = find_inplace_activations(analysed) if captured.frontend == "fx.symbolic_trace" else []
     if not norms and not activations:
         return captured, counts
-    if captured.frontend != "fx.symbolic_trace":
-        root = share_module_tree(captured.model)
-        counts["fold_batch_norms"] = fold_batch_norms(root, norms).counts
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            return capture(root, captured.example_inputs, captured.dynamic_shapes), counts
     gm = captured.graph_module
+    folded = {pair.norm for pair in norms}   # nn.Identity now: traced through, no hooks
+    captured.hooked = {path: kinds for path, kinds in captured.hooked.items() if path not in folded}
+    if captured.frontend != "fx.symbolic_trace":   # torch.export: ATen ops, the norms' train flag settled
+        counts["fold_batch_norms"] = fold_batch_norms_in_aten_graph(gm, norms).counts
+        captured.notes = settle_training_flag(gm, captured.notes)
+        return captured, counts
     counts["fold_batch_norms"] = fold_batch_norms_in_graph(gm, norms).counts
     counts["out_of_place_activations"] = make_out_of_place_in_graph(gm, activations).counts
-    folded = {pair.norm for pair in norms}   # nn.Identity now: traced through, no hooks
     captured.leaves = sorted({n.target for n in gm.graph.nodes if n.op == "call_module"})
-    captured.hooked = {path: kinds for path, kinds in captured.hooked.items() if path not in folded}
     return captured, counts
 
 

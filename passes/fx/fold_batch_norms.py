@@ -21,6 +21,7 @@ Steps, so the user's model is never touched:
                                         new convolution modules with new parameters, nn.Identity for the norms
   fold_batch_norms_in_graph(gm, pairs)  the same on a torch.fx capture (its tree is its own): the graph is
                                         then the one a capture of the folded model gives, without capturing again
+  fold_batch_norms_in_aten_graph(gm, pairs)   the same on a torch.export capture's ATen graph
 A pair folds when the conv output's only reader is the norm, each module runs exactly once and its
 parameters are read nowhere else, the conv is a plain nn.Conv1d/2d/3d (not parametrized, no subclass
 forward such as weight standardisation) and the norm a plain BatchNorm with running statistics.
@@ -102,6 +103,48 @@ def fold_batch_norms_in_graph(gm: fx.GraphModule, pairs: list[ConvBatchNorm]) ->
             node.meta["nn_module_stack"] = type(stack)((key, (path, nn.Identity if path in norms else kind))
                                                        for key, (path, kind) in stack.items())
     return result
+
+
+def fold_batch_norms_in_aten_graph(gm: fx.GraphModule, pairs: list[ConvBatchNorm]) -> PassResult:
+    """fold_batch_norms on `gm`'s own module tree (a torch.export capture's), and its ATen graph as a capture of
+    the folded model gives it: each folded batch_norm node goes with its reads of the norm's tensors (its
+    readers read the conv), a conv without bias reads the new `bias`, the batch_norm nodes left are numbered
+    again from `batch_norm` as torch.export names them. The train flag the norms read may be left unread: the
+    front end settles it (frontend/export_capture.py, settle_training_flag)."""
+    calls = {path: node for node in gm.graph.nodes if (path := _module_call(gm, node)) is not None}
+    result = fold_batch_norms(gm, pairs)   # before the edits below: the norms are nn.Identity after it
+    graph = gm.graph
+    for pair in pairs:
+        conv, norm = calls[pair.conv], calls[pair.norm]
+        norm.replace_all_uses_with(conv)
+        graph.erase_node(norm)
+        for read in [n for n in graph.nodes if n.op == "get_attr" and n.target.startswith(pair.norm + ".")]:
+            graph.erase_node(read)
+        if (conv.args[2] if len(conv.args) > 2 else conv.kwargs.get("bias")) is None:
+            with graph.inserting_after(conv.args[1]):   # beside the weight read, as a capture orders them
+                bias = graph.get_attr(pair.conv + ".bias")
+            bias.meta = {key: value for key, value in conv.args[1].meta.items() if key != "val"}
+            conv.args = (*conv.args[:2], bias, *conv.args[3:])
+            conv.kwargs = {k: v for k, v in conv.kwargs.items() if k != "bias"}
+    if pairs:
+        gm.graph = _batch_norms_numbered_again(graph)
+    return result
+
+
+def _batch_norms_numbered_again(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph` whose batch_norm nodes are named batch_norm, batch_norm_1, ... in graph order (an fx
+    graph never frees the names of erased nodes, so the copy is a new graph); every other name is kept."""
+    numbered = fx.Graph()
+    values: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        aten = node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
+            node.target.overloadpacket.__name__ == _ATEN_BATCH_NORM
+        values[node] = numbered.create_node(node.op, node.target, fx.map_arg(node.args, values.get),
+                                            fx.map_arg(node.kwargs, values.get),
+                                            name=_ATEN_BATCH_NORM if aten else node.name, type_expr=node.type)
+        values[node].meta = node.meta
+    numbered._codegen = graph._codegen   # flattens inputs, rebuilds the output type
+    return numbered
 
 
 def _module_call(gm: fx.GraphModule, node: fx.Node) -> str | None:
