@@ -200,7 +200,7 @@ def test_export_onnx_of_a_torch_export_capture_captures_once(captures, tmp_path)
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("dropout, force", [(False, ()), (True, ()), (False, ("bn1",))],
+@pytest.mark.parametrize("dropout, force", [(False, ()), (True, ()), (False, ("bn2",))],
                          ids=["all_folded", "dropout_keeps_the_flag", "one_norm_forced"])
 def test_the_aten_graph_fold_gives_the_graph_a_capture_of_the_folded_model_gives(dropout, force):
     """torch.export capture: the ATen graph folded in place is the one a second capture of the folded model gave
