@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 import amp_compiler
 from amp_compiler import build_train_network, convert, explain
+from amp_compiler.frontend.fx_capture import AmpTracer
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.runner import checking_passes
 from amp_testing import RELATIVE_TOLERANCE, AtenDtypeRecorder
@@ -448,7 +449,7 @@ def test_every_op_is_in_the_policy_table_on_both_front_ends(name, monkeypatch):
     def fx_fails(*args, **kwargs):
         raise RuntimeError("torch.fx refused for this test")
 
-    monkeypatch.setattr(amp_compiler.frontend.AmpTracer, "trace", fx_fails)   # convert() falls back to torch.export
+    monkeypatch.setattr(AmpTracer, "trace", fx_fails)   # convert() falls back to torch.export
     spec = REAL_MODELS[name]
     exported = convert(spec.build(), "O1", dtype=BF16, example_inputs=spec.inputs())
     assert exported.meta["amp"]["frontend"] in ("torch.export", "as written, children converted")
