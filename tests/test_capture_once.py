@@ -220,3 +220,20 @@ def test_the_aten_graph_fold_gives_the_graph_a_capture_of_the_folded_model_gives
     assert amp_compiler.explain(compiled).rows == amp_compiler.explain(reference).rows
     torch.testing.assert_close(compiled(X), reference(X), rtol=0, atol=0)
     assert isinstance(model.bn1, nn.BatchNorm2d) and model.conv1.bias is None   # the user's model as it was
+
+
+def test_export_onnx_of_a_model_no_front_end_captures_names_it(tmp_path):
+    # convert() would run such a model as written with its children converted; an ONNX file needs one graph
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum() > 0:
+                x = x * 2
+            return self.fc(x)
+
+    with pytest.raises(amp_compiler.TracingError, match="export_onnx needs DataDependent as one graph"):
+        amp_compiler.export_onnx(DataDependent().train(), (torch.randn(2, 4),), tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()

@@ -452,3 +452,24 @@ def test_activation_checkpointing_stays_one_node_that_recomputes():
     handle.remove()
     assert len(recomputed) == 2                       # forward, and again in backward
     assert torch.equal(model.block[0].weight.grad, expected)
+
+
+def test_a_dict_subclass_the_forward_writes_to_is_the_copy_s_not_the_models():
+    # Capture runs forward on a copy of the module tree: what it appends to a defaultdict of the module must
+    # land in the copy's (as for plain dicts), never put fx Proxies in the user's model.
+    import collections
+
+    class Recording(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.stats = collections.defaultdict(list)
+
+        def forward(self, x):
+            y = self.fc(x)
+            self.stats["out"].append(y)
+            return y
+
+    model = Recording().eval()
+    amp_compiler.convert(model, "O1", dtype=torch.bfloat16)
+    assert dict(model.stats) == {} and isinstance(model.stats, collections.defaultdict)

@@ -238,3 +238,45 @@ def test_a_saved_converted_module_refuses_the_mode_it_did_not_capture(tmp_path):
         loaded(x)
     loaded.eval()
     assert relative_error(loaded(x), model(x)) < TOLERANCE[BF16]
+
+
+def test_hooks_registered_while_capture_silences_hooks_are_kept():
+    # A profiler's global hook, or a hook another thread adds while convert() runs, must survive the capture.
+    from torch.nn.modules import module as module_globals
+
+    from amp_compiler.frontend.hooks import user_hooks_silenced
+
+    linear = nn.Linear(2, 2)
+    kept = linear.register_forward_hook(lambda *args: None)
+    with user_hooks_silenced(linear):
+        assert not linear._forward_hooks
+        handle = nn.modules.module.register_module_forward_hook(lambda *args: None)
+        linear.register_forward_hook(lambda *args: None)
+    try:
+        assert len(linear._forward_hooks) == 2 and kept.id in linear._forward_hooks
+        assert handle.id in module_globals._global_forward_hooks
+    finally:
+        handle.remove()
+
+
+def test_recording_training_reads_runs_no_init_subclass_of_the_users():
+    # The capture-time subclass that records `training` reads must not enter a user's class registry.
+    registry = {}
+
+    class Registered(nn.Module):
+        def __init_subclass__(cls, **kwargs):
+            super().__init_subclass__(**kwargs)
+            registry[cls.__name__] = cls
+
+    class Block(Registered):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) * (2 if self.training else 1)
+
+    before = registry["Block"]
+    gm = amp_compiler.convert(nn.Sequential(Block()).eval(), "O1", dtype=BF16)
+    assert registry["Block"] is before and "__init_subclass__" not in Block.__dict__
+    assert gm.meta["amp"]["training_reads"] == {"0": False}   # still recorded

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections import OrderedDict
 
 import torch.fx as fx
 import torch.nn.modules.module as module_globals
@@ -50,24 +49,23 @@ def global_hook_kinds() -> list[str]:
 
 @contextlib.contextmanager
 def user_hooks_silenced(root: nn.Module | None = None):
-    """No global hook, nor one of root's modules' hooks, fires inside (the dicts are swapped, not emptied,
-    so the user's RemovableHandles still reach them afterwards)."""
-    saved_globals = {name: getattr(module_globals, name) for name in _GLOBAL_DICTS}
-    modules = list(root.modules()) if root is not None else []
-    saved = [(module, {name: module.__dict__[name] for name in HOOK_DICTS if name in module.__dict__})
-             for module in modules]
-    for name in _GLOBAL_DICTS:
-        setattr(module_globals, name, OrderedDict())
-    for module, dicts in saved:
-        for name in dicts:
-            module.__dict__[name] = OrderedDict()
+    """No global hook, nor one of root's modules' hooks, fires inside. The dicts are emptied in place and
+    refilled after, so the user's RemovableHandles still reach them, and a hook registered meanwhile (a
+    profiler's global hook, another thread) is kept, after the saved ones."""
+    dicts = [getattr(module_globals, name) for name in _GLOBAL_DICTS]
+    for module in (root.modules() if root is not None else ()):
+        dicts += [module.__dict__[name] for name in HOOK_DICTS if name in module.__dict__]
+    saved = [dict(hooks) for hooks in dicts]
+    for hooks in dicts:
+        hooks.clear()
     try:
         yield
     finally:
-        for name, value in saved_globals.items():
-            setattr(module_globals, name, value)
-        for module, dicts in saved:
-            module.__dict__.update(dicts)
+        for hooks, before in zip(dicts, saved):
+            added = dict(hooks)
+            hooks.clear()
+            hooks.update(before)
+            hooks.update(added)
 
 
 def move_root_hooks(root: nn.Module, gm: fx.GraphModule) -> None:

@@ -5,6 +5,7 @@ originals), so train()/eval(), added submodules or hooks on the result never rea
 """
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 
 import torch
@@ -29,15 +30,27 @@ def share_module_tree(module: nn.Module) -> nn.Module:
     # object.__new__ rather than copy.copy: parametrized modules (weight_norm, spectral_norm) refuse
     # __getstate__, and the copy needs nothing but the instance dict.
     clone = object.__new__(type(module))
-    # Containers (parameter/buffer/hook dicts, the non-persistent buffer set) are copied so nothing done
-    # to the clone reaches the user's module; the tensors inside are shared. Only plain containers: a
-    # subclass's .copy() can lose what its class keeps beside the items (diffusers' FrozenDict config
-    # answers `config.center_input_sample` from attributes its copy lacks), so it is shared like any value.
-    clone.__dict__.update({name: value.copy() if type(value) in _PLAIN_CONTAINERS else value
-                           for name, value in module.__dict__.items()})
+    # Containers (parameter/buffer/hook dicts, the non-persistent buffer set, a forward's own dicts) are
+    # copied so nothing done to the clone, tracing included, reaches the user's module; the tensors inside
+    # are shared.
+    clone.__dict__.update({name: _container_copy(value) for name, value in module.__dict__.items()})
     clone._modules = {name: share_module_tree(child) if child is not None else None
                       for name, child in module._modules.items()}
     return clone
+
+
+def _container_copy(value):
+    if type(value) in _PLAIN_CONTAINERS:
+        return value.copy()
+    if isinstance(value, (dict, set)):
+        # A subclass's .copy() can lose what its class keeps beside the items (diffusers' FrozenDict config
+        # answers `config.center_input_sample` from attributes); copy.copy keeps class and attributes. One
+        # that refuses to be copied (FrozenDict refuses item assignment) is immutable: shared.
+        try:
+            return copy.copy(value)
+        except Exception:  # noqa: BLE001 - an uncopyable container is shared like any other value
+            return value
+    return value
 
 
 def graph_module_on(root: nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:

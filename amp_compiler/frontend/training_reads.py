@@ -59,8 +59,24 @@ def _recording_class(cls: type, reads: list) -> type:
     def write(self, value):
         self.__dict__["training"] = value
 
-    return type(cls)(cls.__name__, (cls,), {"training": property(read, write), "__module__": cls.__module__,
-                                            "__qualname__": cls.__qualname__})
+    namespace = {"training": property(read, write), "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    with _init_subclass_skipped(cls):   # a user's registry must not record this capture-time class
+        return type(cls)(cls.__name__, (cls,), namespace)
+
+
+@contextlib.contextmanager
+def _init_subclass_skipped(cls: type) -> Iterator[None]:
+    # type() calls the base classes' __init_subclass__ (class registries; transformers wraps forward there);
+    # cls's own attribute shadows its bases' for the moment the subclass is made, then is put back.
+    own = cls.__dict__.get("__init_subclass__")
+    cls.__init_subclass__ = classmethod(lambda subclass, **kwargs: None)
+    try:
+        yield
+    finally:
+        if own is None:
+            del cls.__init_subclass__
+        else:
+            cls.__init_subclass__ = own
 
 
 def read_flags(root: nn.Module, reads: list) -> dict[str, bool]:

@@ -33,7 +33,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.config import AmpConfig, make_config
-from amp_compiler.convert import compile_graph, convert_uncapturable
+from amp_compiler.convert import compile_graph
 from amp_compiler.frontend import CapturedGraph, TracingError, capture, graph_module_to_compile
 from amp_compiler.frontend.export_capture import settle_training_flag
 from amp_compiler.onnx.convert import ONNX_FINISH_PIPELINE, OnnxState, check_onnx_model, conversion_warnings
@@ -73,16 +73,14 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)   # pytree deprecations inside torch.export
                 captured = capture(model, args, dynamic_shapes)
-        except TracingError as error:   # as convert(): the model as written, its children converted
-            captured, prepared = None, inference_counts()
-            gm = convert_uncapturable(model, error, level, args, dynamic_shapes, None, False,
-                                      dict(overrides, dtype=dtype, keep_io_types=keep_io_types))
-        else:
-            captured, prepared = prepare_for_inference(captured, config)
-            model = captured.model
+        except TracingError as error:   # convert() would run it as written: an ONNX file needs one graph
+            raise TracingError(f"export_onnx needs {type(model).__name__} as one graph, and neither torch.fx nor "
+                               f"torch.export captures it: {str(error).splitlines()[0]}\nconvert() runs it as "
+                               "written with its children converted; export a child that captures instead") from error
+        captured, prepared = prepare_for_inference(captured, config)
+        model = captured.model
         steps.advance("convert")
-        if captured is not None:
-            gm = compile_graph(captured, config)
+        gm = compile_graph(captured, config)
         kept, notes = _weights_beyond_fp16(gm) if config.low_dtype == torch.float16 else ((), [])
         if kept:   # the same capture, compiled again with the nodes reading those weights forced fp32
             force = (*_as_tuple(overrides.pop("force_fp32", ())), *kept)
