@@ -128,6 +128,8 @@ def loading_old_files():
     """While the block runs, the previous release's top-level names (`passes.insert_casts`...) import
     as the modules now holding their objects; afterwards every `passes` name is as it was before."""
     before = {name: module for name, module in sys.modules.items() if _is_top_level_old_name(name)}
+    for name in before:   # a user's own passes.x already imported must not answer an old file's passes.x
+        del sys.modules[name]
     finder = _RenamedModules(name for name in RENAMED if _is_top_level_old_name(name))
     sys.meta_path.insert(0, finder)   # ahead of a source checkout's or the user's own passes/
     try:
@@ -138,15 +140,20 @@ def loading_old_files():
 
 
 def _restore_modules(before: dict) -> None:
-    for name in [n for n in sys.modules if _is_top_level_old_name(n)]:
-        if name in before:
-            sys.modules[name] = before[name]
-            continue
+    during = {name: module for name, module in sys.modules.items() if _is_top_level_old_name(name)}
+    for name, module in during.items():
+        parent, _, child = name.rpartition(".")
+        holder = during.get(parent)   # importing passes.x set x on what `passes` named then: ours, not its name
+        if holder is not None and getattr(holder, child, None) is module \
+                and module.__name__ != f"{holder.__name__}.{child}":
+            delattr(holder, child)
+    for name in during:
         module = sys.modules.pop(name)
         parent, _, child = name.rpartition(".")
         # Importing passes.x under the finder set x on a `passes` the user had imported: take it back.
         if parent in before and getattr(before[parent], child, None) is module:
             delattr(before[parent], child)
+    sys.modules.update(before)
 
 
 def load(f, **torch_load_arguments):

@@ -109,6 +109,11 @@ USER_PROJECT_RUNS = {
     "import only": "import amp_compiler\nimport passes\n",
     "user's passes imported before a load": "import amp_compiler\nimport passes\nload()\n",
     "user's passes imported after a load": "import amp_compiler\nload()\nimport passes\n",
+    # the user's own passes.insert_casts, already imported, must not answer the old file's passes.insert_casts
+    "user's passes.insert_casts imported before a load": (
+        "import amp_compiler\nimport passes, passes.insert_casts as mine\nload()\n"
+        "assert sys.modules['passes.insert_casts'] is mine and passes.insert_casts is mine\n"
+        "assert not hasattr(amp_compiler.passes, 'insert_casts')\ndel passes.insert_casts, sys.modules['passes.insert_casts']\n"),
 }
 
 
@@ -119,6 +124,7 @@ def test_a_user_projects_own_passes_package_stays_its_own(tmp_path, old_file, st
     project = tmp_path / "project"
     (project / "passes").mkdir(parents=True)
     (project / "passes" / "__init__.py").write_text("MARKER = 'the user project'\n")
+    (project / "passes" / "insert_casts.py").write_text("def amp_cast(*args):\n    return 'the user project'\n")
     folder = old_file[0]
     code = ("import sys, torch\n"
             "def load():\n"
