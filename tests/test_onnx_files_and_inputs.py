@@ -100,9 +100,9 @@ def test_written_files_get_the_mode_open_would_give(tmp_path, monkeypatch, mask,
     assert modes[2:] in ([], [0o666 & ~mask])
 
 
-def staging_name(destination, pid, host=None, kind="tmp"):
+def staging_name(destination, pid, host=None, kind="tmp", salt="0123abcd"):
     """A staging name as files.py makes them: .<name>.amp-compiler.<host>.<pid>.<8 hex>.<tmp|staging>."""
-    return f".{destination}.amp-compiler.{host or files._host()}.{pid}.0123abcd.{kind}"
+    return f".{destination}.amp-compiler.{host or files._host()}.{pid}.{salt}.{kind}"
 
 
 def finished_process_id():
@@ -129,7 +129,13 @@ def test_stale_staging_files_for_the_destination_are_removed_by_the_next_write(t
         path.write_bytes(b"\x08" * 100)
     stale_folder.mkdir()
     (stale_folder / "out.onnx.data").write_bytes(b"\x00" * 100)
+    quiet = time.time() - files.DEAD_WRITER_QUIET_SECONDS - 60
     os.utime(stale[1], (long_ago, long_ago))
+    for path in (stale[0], stale_folder / "out.onnx.data", stale_folder):
+        os.utime(path, (quiet, quiet))
+    # written just now by a pid this host does not see: another PID namespace's writer, maybe; kept
+    kept.append(tmp_path / staging_name("out.onnx", dead, salt="00decade"))
+    kept[-1].write_bytes(b"\x08" * 100)
     convert_onnx(src, str(tmp_path / "out.onnx"))
     assert [p.name for p in stale + [stale_folder] if p.exists()] == []
     assert [p.name for p in kept if not p.exists()] == []
@@ -147,6 +153,10 @@ def test_a_killed_write_leaves_its_staging_file_where_the_docstring_says(tmp_pat
     left = [p.name for p in tmp_path.iterdir() if p.name != "src.onnx"]
     assert len(left) == 1 and re.fullmatch(rf"\.out\.onnx\.amp-compiler\.{files._host()}\.{child.pid}\.[0-9a-f]{{8}}\.tmp",
                                            left[0]), left
+    convert_onnx(src, str(tmp_path / "out.onnx"))   # just killed: too recent to be sure its writer is gone
+    assert len(list(tmp_path.iterdir())) == 3
+    quiet = time.time() - files.DEAD_WRITER_QUIET_SECONDS - 60
+    os.utime(tmp_path / left[0], (quiet, quiet))
     convert_onnx(src, str(tmp_path / "out.onnx"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx", "src.onnx"]
 

@@ -17,8 +17,9 @@ Permissions are those `open(path, "w")` gives: an existing destination keeps its
 Staging names: `.<destination name>.amp-compiler.<host>.<pid>.<8 hex>.tmp` (a file) or `.staging` (a
 folder), in the destination's folder. A run killed mid-write leaves its staging file there; the next
 write to the same destination removes those that are stale: written on this host by a process that no
-longer exists, or (any host) untouched for STALE_STAGING_SECONDS. A live writer's staging file (another
-process converting to the same path right now) is never removed.
+longer exists and untouched for DEAD_WRITER_QUIET_SECONDS (containers sharing a host name and a volume do
+not see each other's processes), or (any host) untouched for STALE_STAGING_SECONDS. A live writer's staging
+file (another process converting to the same path right now) is never removed.
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ EXTERNAL_TENSOR_MIN_BYTES = 1024   # small tensors stay inline: shapes, scalars,
 # A staging file whose writer we cannot see (another host, or a pid reused since) is stale once it has not
 # been written to for this long: a live writer touches it continuously until the rename.
 STALE_STAGING_SECONDS = 24 * 3600
+# A writer's pid gone from this host is not proof enough: another PID namespace with the same host name may
+# be writing it. A file that has also been quiet this long is not being written.
+DEAD_WRITER_QUIET_SECONDS = 10 * 60
 STAGING_MARK = "amp-compiler"
 
 
@@ -243,15 +247,16 @@ def _host() -> str:
 
 
 def _is_stale(staged: str, host: str, pid: int) -> bool:
-    if host == _host() and not _process_exists(pid):
-        return True
     try:
         entries = [staged, *(os.path.join(staged, n) for n in os.listdir(staged))] if os.path.isdir(staged) \
             else [staged]
         last_written = max(os.lstat(entry).st_mtime for entry in entries)
     except OSError:
         return False   # removed meanwhile, or not ours to read
-    return time.time() - last_written > STALE_STAGING_SECONDS
+    quiet = time.time() - last_written
+    if host == _host() and quiet > DEAD_WRITER_QUIET_SECONDS and not _process_exists(pid):
+        return True
+    return quiet > STALE_STAGING_SECONDS
 
 
 def _process_exists(pid: int) -> bool:
