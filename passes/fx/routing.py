@@ -29,6 +29,7 @@ import torch.fx as fx
 from amp_compiler.passes.fx.aliases import written_views
 from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.painting.paint_precision import keep_fp32
 from amp_compiler.passes.policy.numerics import (COUNTS, FACTORIES_LIKE, ROUTING_INDICES_ONLY, ROUTING_SCORE_OPS,
                                                 ROUTING_WITH_INDICES, SCATTER_ADDS)
 from amp_compiler.passes.policy.op_policy import POLICY
@@ -118,25 +119,20 @@ def keep_routing_fp32(gm: fx.GraphModule) -> Callable[[nx.DiGraph], None]:
         for node, choice in routing_scores(nodes).items():
             if node.name in view:
                 what = "the choice" if node is choice else f"a score {choice.name} ({facts(choice)['op']}) chooses from"
-                _keep_fp32(view, node.name, f"routing: {what}: low precision ties or swaps close scores and "
-                                            "another index is chosen (another expert runs), kept fp32")
+                keep_fp32(view, node.name, f"routing: {what}: low precision ties or swaps close scores and "
+                                            "another index is chosen (another expert runs), kept fp32",
+                          relabel_fp32=True)
         for node in nodes:
             dtype = facts(node).get("dtype")   # integer out (complex rfft, unknown dtypes are no counts)
             makes_integers = facts(node).get("class") != "clear" and isinstance(dtype, torch.dtype) \
                 and not (dtype.is_floating_point or dtype.is_complex)
             if node.name in view and (facts(node).get("op") in COUNTS or makes_integers):   # not a tuple's indices
-                _keep_fp32(view, node.name, "counts: tokens per expert (histc) or floats made integers (cumsum("
-                                            "dtype=int32)): bf16 holds integers exactly only up to 256, kept fp32")
+                keep_fp32(view, node.name, "counts: tokens per expert (histc) or floats made integers (cumsum("
+                                            "dtype=int32)): bf16 holds integers exactly only up to 256, kept fp32",
+                          relabel_fp32=True)
         for buffer, writer in scatter_accumulators(nodes).items():
             if buffer.name in view:
-                _keep_fp32(view, buffer.name, f"accumulator: {writer.name} ({facts(writer)['op']}) adds into it in "
-                                              "place, in its dtype: low precision rounds every partial sum, kept fp32")
+                keep_fp32(view, buffer.name, f"accumulator: {writer.name} ({facts(writer)['op']}) adds into it in "
+                                              "place, in its dtype: low precision rounds every partial sum, kept fp32",
+                          relabel_fp32=True)
     return hook
-
-
-def _keep_fp32(view: nx.DiGraph, name: str, rule: str) -> None:
-    attrs = view.nodes[name]
-    if attrs.get("forced"):   # the user's patterns, integer operands, another rule: already decided
-        return
-    # forced, so that cast placement (a later hook) never moves it back to low
-    attrs["precision"], attrs["rule"], attrs["forced"] = "fp32", rule, ("fp32", rule)

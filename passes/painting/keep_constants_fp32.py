@@ -18,6 +18,7 @@ from typing import Callable
 
 import networkx as nx
 
+from amp_compiler.passes.painting.paint_precision import keep_fp32
 from amp_compiler.passes.policy.numerics import low_max, short_name
 
 
@@ -37,7 +38,7 @@ def keep_constant_paths_fp32(sources: dict[str, tuple[str, list[str]]], carriers
         for source, (constant, readers) in sources.items():
             starts = [source] if source in view else [r for r in readers if r in view]
             for start in starts:
-                _keep_fp32(view, start, beyond_rule(view.nodes[start]["op_class"], constant, low_dtype))
+                keep_fp32(view, start, beyond_rule(view.nodes[start]["op_class"], constant, low_dtype))
             seen, stack = set(starts), [s for s in starts if s in carriers]
             while stack:
                 for reader in view.successors(stack.pop()):
@@ -45,16 +46,7 @@ def keep_constant_paths_fp32(sources: dict[str, tuple[str, list[str]]], carriers
                         continue
                     seen.add(reader)
                     attrs = view.nodes[reader]
-                    _keep_fp32(view, reader, beyond_rule(attrs["op_class"], f"{source}'s value ({constant})", low_dtype))
+                    keep_fp32(view, reader, beyond_rule(attrs["op_class"], f"{source}'s value ({constant})", low_dtype))
                     if reader in carriers:
                         stack.append(reader)
     return hook
-
-
-def _keep_fp32(view: nx.DiGraph, name: str, rule: str) -> None:
-    attrs = view.nodes[name]
-    forced = attrs.get("forced")
-    if attrs.get("precision") != "low" or (forced and forced[0] == "low"):
-        return
-    # forced, so that cast placement (a later hook) never moves it back to low
-    attrs["precision"], attrs["rule"], attrs["forced"] = "fp32", rule, ("fp32", rule)

@@ -21,6 +21,7 @@ from typing import Callable, Hashable, Iterable
 
 import networkx as nx
 
+from amp_compiler.passes.painting.paint_precision import keep_fp32
 from amp_compiler.passes.policy.numerics import COORDINATE_SAMPLERS, COORDINATE_SOURCES, FACTORIES_LIKE
 from amp_compiler.passes.policy.op_policy import POLICY
 
@@ -76,19 +77,12 @@ def keep_coordinates_fp32(nodes: Iterable[Hashable], op: Callable[[Hashable], st
     def hook(view: nx.DiGraph) -> None:
         for node, source in source_of.items():
             if node in view:
-                _keep_fp32(view, node, f"coordinates: a position computed from {source} (arange/linspace) by "
+                keep_fp32(view, node, f"coordinates: a position computed from {source} (arange/linspace) by "
                                        "arithmetic and data movement: low precision rounds it (bf16: steps of 0.5 "
-                                       "at 128), small updates vanish, kept fp32")
+                                       "at 128), small updates vanish, kept fp32", relabel_fp32=True)
         for node, coordinate in read.items():
             if node in view:
-                _keep_fp32(view, node, f"{view.nodes[node]['op_class']}: reads the coordinates {coordinate}: a "
-                                       "position rounded to low precision first would be off by its rounding, kept fp32")
+                keep_fp32(view, node, f"{view.nodes[node]['op_class']}: reads the coordinates {coordinate}: a "
+                                       "position rounded to low precision first would be off by its rounding, kept fp32",
+                          relabel_fp32=True)
     return hook
-
-
-def _keep_fp32(view: nx.DiGraph, name: str, rule: str) -> None:
-    attrs = view.nodes[name]
-    if attrs.get("forced"):   # the user's patterns, integer operands, a constant beyond range: already decided
-        return
-    # forced, so that cast placement (a later hook) never moves it back to low
-    attrs["precision"], attrs["rule"], attrs["forced"] = "fp32", rule, ("fp32", rule)

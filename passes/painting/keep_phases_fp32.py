@@ -19,6 +19,7 @@ from typing import Callable
 import networkx as nx
 
 from amp_compiler.passes.painting.keep_coordinates_fp32 import carries_position
+from amp_compiler.passes.painting.paint_precision import keep_fp32
 from amp_compiler.passes.policy.numerics import PERIODIC_OPS
 
 
@@ -26,7 +27,7 @@ def keep_phases_fp32(op: Callable[[str], str | None]) -> Callable[[nx.DiGraph], 
     """The hook; `op(name)` is the canonical op of the view node `name`."""
     def hook(view: nx.DiGraph) -> None:
         for node in [n for n in view if op(n) in PERIODIC_OPS]:
-            if not _keep_fp32(view, node, f"phase: {op(node)} of an argument computed in fp32 (bf16 holds 1000 "
+            if not keep_fp32(view, node, f"phase: {op(node)} of an argument computed in fp32 (bf16 holds 1000 "
                                           "in steps of 4: the phase would be noise)"):
                 continue
             stack, seen = [node], {node}
@@ -35,19 +36,7 @@ def keep_phases_fp32(op: Callable[[str], str | None]) -> Callable[[nx.DiGraph], 
                     if producer in seen or not carries_position(op(producer)):
                         continue
                     seen.add(producer)
-                    if _keep_fp32(view, producer, f"phase: computes the argument of {op(node)} {node}: a phase "
+                    if keep_fp32(view, producer, f"phase: computes the argument of {op(node)} {node}: a phase "
                                                   "rounded to low precision is off by its rounding, kept fp32"):
                         stack.append(producer)
     return hook
-
-
-def _keep_fp32(view: nx.DiGraph, name: str, rule: str) -> bool:
-    """False when the user forced the node low (the walk stops there)."""
-    attrs = view.nodes[name]
-    forced = attrs.get("forced")
-    if forced and forced[0] == "low":
-        return False
-    if attrs.get("precision") == "low":
-        # forced, so that cast placement (a later hook) never moves it back to low
-        attrs["precision"], attrs["rule"], attrs["forced"] = "fp32", rule, ("fp32", rule)
-    return True

@@ -95,3 +95,17 @@ def _closure(graph, starts, step, admit) -> set:
                 seen.add(nxt)
                 stack.append(nxt)
     return seen
+
+
+def keep_fp32(view: nx.DiGraph, name: str, rule: str, *, relabel_fp32: bool = False) -> bool:
+    """A painted hook's step: the node runs fp32 with `rule`, forced, so that cast placement (a later hook)
+    never moves it back to low. Only a low node changes, or, with relabel_fp32, an fp32 one that no rule
+    forced either (its rule becomes `rule`). Returns False where the user forced the node low: it stays
+    low, and a walk through it stops there."""
+    attrs = view.nodes[name]
+    forced = attrs.get("forced")
+    if forced and forced[0] == "low":
+        return False
+    if attrs.get("precision") == "low" or (relabel_fp32 and not forced):
+        attrs["precision"], attrs["rule"], attrs["forced"] = FP32, rule, (FP32, rule)
+    return True
