@@ -20,6 +20,7 @@ from amp_compiler.insight.verify import DtypeMismatch, verify
 from amp_compiler.passes.policy.op_policy import default_lists
 from amp_compiler.passes.fx.constant_range import FP16RangeWarning
 from amp_compiler.frontend.hooks import HookWarning
+from amp_compiler.in_place import CaptureLimitWarning, restore
 
 __all__ = ["convert", "explain", "PrecisionReport", "TracingError", "AmpConfig", "make_config",
            "default_lists", "verify", "DtypeMismatch"]
@@ -27,13 +28,18 @@ __all__ += ["LossScaleManager", "FixedLossScaleManager", "DynamicLossScaleManage
             "TrainStep"]
 __all__ += ["GradScaler", "Overflow", "NonFiniteGradientsError"]
 __all__ += ["diff", "PrecisionDiff", "render", "compare", "ComparisonReport", "FP16RangeWarning", "HookWarning"]
-__all__ += ["freeze", "frozen_bytes", "load"]
+__all__ += ["freeze", "frozen_bytes", "load", "restore", "CaptureLimitWarning"]
+__all__ += ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict"]
 __all__ += ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionReport", "ValidationReport"]
 __version__ = "0.1.0"
 
-# The ONNX names load onnx, onnx_ir and onnxruntime on first use, not with the package (PEP 562).
+# The ONNX names load onnx, onnx_ir and onnxruntime on first use, not with the package (PEP 562); the Apex
+# names load on first use too.
 _ONNX_NAMES = {"export_onnx": "onnx.export", "convert_onnx": "onnx.convert", "validate_onnx": "onnx.validate",
-               "OnnxConversionReport": "onnx.report", "ValidationReport": "onnx.validate"}
+               "OnnxConversionReport": "onnx.report", "ValidationReport": "onnx.validate",
+               # Apex's amp API (apex.py), for code migrating from `from apex import amp`
+               "initialize": "apex", "scale_loss": "apex", "master_params": "apex", "state_dict": "apex",
+               "load_state_dict": "apex"}
 
 
 def __getattr__(name: str):

@@ -19,6 +19,7 @@ from torch import nn
 
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert_children import convert_children
+from amp_compiler.in_place.conversion import convert_in_place
 from amp_compiler.frozen import freeze as freeze_weights
 from amp_compiler.frontend import CapturedGraph, TracingError, capture, graph_module_to_compile
 from amp_compiler.frontend.hooks import hook_fates, user_hooks_silenced
@@ -50,7 +51,8 @@ from amp_compiler.passes.node_facts import facts
 
 
 def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None = None,
-            dynamic_shapes=None, calibration_data=None, freeze: bool = False, **overrides) -> fx.GraphModule:
+            dynamic_shapes=None, calibration_data=None, freeze: bool = False, inplace: bool = False,
+            **overrides) -> fx.GraphModule:
     """Trace `model` and return a GraphModule whose every node runs in the precision the rules pick.
 
     The result shares the model's parameters and buffers (an optimizer on model.parameters() trains it)
@@ -59,9 +61,17 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     by default every dim torch.export can keep dynamic stays dynamic. `calibration_data`: an iterable of
     input tuples; the fp32 model runs on each and nodes whose values the low dtype cannot hold stay fp32.
     `freeze=True`: inference calls read low-precision weight copies made once (amp_compiler.freeze).
+    `inplace=True`: the model itself is converted and returned (same class, methods, forward signature and
+    state_dict); its parts are captured on their first calls (in_place/conversion.py), example_inputs optional.
     """
     config = make_config(level, **overrides)
     check_calibration_data(calibration_data)   # before any work: a bare tensor would be split into rows
+    if inplace:
+        if dynamic_shapes is not None:
+            raise ValueError("dynamic_shapes does not apply to inplace=True: parts are captured shape-generic on "
+                             "the calls they get, and again when a call's shapes need it")
+        return convert_in_place(model, config, example_inputs=example_inputs, calibration_data=calibration_data,
+                                freeze=freeze)
     try:
         captured = capture(model, example_inputs, dynamic_shapes)
     except TracingError as error:
@@ -84,10 +94,12 @@ def convert_uncapturable(model: nn.Module, error: TracingError, level: str, exam
 
 
 def compile_graph(captured: CapturedGraph, config: AmpConfig, calibration_data=None, *, freeze: bool = False,
-                  convert_again: Callable[[nn.Module], fx.GraphModule] | None = None) -> fx.GraphModule:
+                  convert_again: Callable[[nn.Module], fx.GraphModule] | None = None,
+                  follow_flags: bool = True) -> fx.GraphModule:
     """FX_PIPELINE on a copy of `captured`'s graph (the capture is left as it was: compile it again with
     another config). `convert_again(model_copy)` converts the model in other train()/eval() flags when the
-    graph read `self.training` (default: capture that copy and compile it with this config)."""
+    graph read `self.training` (default: capture that copy and compile it with this config); follow_flags=False:
+    the caller does that itself (an in-place part keys its graphs by the user's modules' flags)."""
     config = dataclasses.replace(config)   # target devices are written on it below
     model, example_inputs = captured.model, captured.example_inputs
     gm = graph_module_to_compile(captured)
@@ -103,7 +115,7 @@ def compile_graph(captured: CapturedGraph, config: AmpConfig, calibration_data=N
         "hooks": hook_fates(gm, captured.hooked, captured.frontend), "training_reads": dict(captured.training_reads),
     }
     preserve_decisions(gm)   # explain/render/compare keep working after torch.save / torch.load
-    if captured.training_reads:   # `if self.training:` was decided at capture: a call in another mode captures again
+    if captured.training_reads and follow_flags:   # `if self.training:` was decided at capture: a call in another mode captures again
         gm.__dict__[READS] = dict(captured.training_reads)
         follow_training_flags(gm, model, convert_again or (lambda copy: compile_graph(
             capture(copy, example_inputs, captured.dynamic_shapes), config, calibration_data, freeze=freeze)))

@@ -33,7 +33,8 @@ def share_module_tree(module: nn.Module) -> nn.Module:
     # Containers (parameter/buffer/hook dicts, the non-persistent buffer set, a forward's own dicts) are
     # copied so nothing done to the clone, tracing included, reaches the user's module; the tensors inside
     # are shared.
-    clone.__dict__.update({name: _container_copy(value) for name, value in module.__dict__.items()})
+    clone.__dict__.update({name: _container_copy(value) for name, value in module.__dict__.items()
+                           if not getattr(value, "_amp_part_forward", False)})   # in-place conversion's forward
     clone._modules = {name: share_module_tree(child) if child is not None else None
                       for name, child in module._modules.items()}
     return clone

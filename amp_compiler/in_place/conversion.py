@@ -1,0 +1,158 @@
+"""convert(model, inplace=True): the model object stays the user's; parts of it run captured graphs.
+
+    model.forward = PartForward(root part)       same class, methods, signature, parameters, state_dict
+    first call -> the root captures on the inputs it gets (lazy: no example inputs needed)
+               -> it cannot (a KV cache argument, untraceable code): it runs as written and its children
+                  become parts, level by level down to Linear/Conv leaves, which always capture
+restore(model) puts the original forwards back. Nothing here registers a module, parameter or buffer on
+the user's model: graphs and frozen copies live on the parts, outside the module tree.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from amp_compiler.config import AmpConfig
+from amp_compiler.frontend import capture, share_module_tree
+from amp_compiler.frontend.hooks import HOOK_DICTS
+from amp_compiler.in_place.call_key import Uncapturable, call_key
+from amp_compiler.in_place.part import Graph, Part, PartForward, bound_call, low_node_count
+
+ATTRIBUTE = "_amp_in_place"   # on the user's model: its InPlaceConversion
+
+
+@dataclasses.dataclass
+class InPlaceConversion:
+    model: nn.Module
+    config: AmpConfig
+    freeze: bool = False
+    calibration: dict = dataclasses.field(default_factory=dict)   # id(module) -> [(args, kwargs)] it received
+    parts: dict = dataclasses.field(default_factory=dict)         # path -> Part
+
+    def add_part(self, module: nn.Module, path: str) -> Part:
+        own = module.__dict__.get("forward")
+        if getattr(own, "_amp_part_forward", False):   # one module reached by two paths (shared blocks)
+            return own.part
+        part = Part(module, path, self, own_forward=own)
+        module.__dict__["forward"] = PartForward(part)   # the class's forward is untouched
+        self.parts[path] = part
+        return part
+
+    def capture(self, part: Part, args: tuple, kwargs: dict, tensors: list) -> Graph:
+        """Capture `part.module` called as (args, kwargs) and compile it with this conversion's config."""
+        from amp_compiler.convert import compile_graph   # convert imports this module
+        inner = share_module_tree(part.module)
+        for name in HOOK_DICTS:   # the part's own hooks fire around its call, not again inside the graph
+            if name in inner.__dict__:
+                inner.__dict__[name].clear()
+        wrapper = bound_call(inner, args, kwargs, len(tensors))
+        example = tuple(t.detach() for t in tensors)
+        samples = self._calibration_samples(part, call_key(args, kwargs)[0])
+        with torch.inference_mode(False), torch.enable_grad():
+            captured = capture(wrapper, example)
+            gm = compile_graph(captured, self.config, samples, freeze=self.freeze, follow_flags=False)
+        watched = [(part.module.get_submodule(path.removeprefix("inner").lstrip(".")), flag)
+                   for path, flag in captured.training_reads.items() if path.startswith("inner")]
+        gm.meta["amp"]["part"] = part.path
+        return Graph(gm, watched, low_node_count(gm))
+
+    def _calibration_samples(self, part: Part, key) -> list | None:
+        if not self.calibration:
+            return None
+        samples = []
+        for args, kwargs in self.calibration.get(id(part.module), ()):
+            try:
+                sample_key, sample_tensors = call_key(args, kwargs)
+            except Uncapturable:
+                continue
+            if sample_key == key:   # calls like the one captured: same graph inputs
+                samples.append(tuple(sample_tensors))
+        return samples
+
+
+def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None, calibration_data=None,
+                     freeze: bool = False) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert() needs a torch.nn.Module, got {type(model).__name__}")
+    if ATTRIBUTE in model.__dict__:
+        raise ValueError(f"{type(model).__name__} is already converted in place (level "
+                         f"{model.__dict__[ATTRIBUTE].config.level}); call amp_compiler.restore(model) first to "
+                         "convert it again with other options")
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
+                        f"got {type(example_inputs).__name__}")
+    low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
+    if low:
+        raise ValueError(f"{type(model).__name__} has {', '.join(low)} parameters: mixed precision starts from "
+                         "an fp32 model (the fp32 parameters stay the masters). Call model.float() first.")
+    conversion = InPlaceConversion(model, config, freeze)
+    if calibration_data is not None:
+        conversion.calibration = _record_calls(model, calibration_data)
+    model.__dict__[ATTRIBUTE] = conversion
+    conversion.add_part(model, "")
+    if example_inputs is not None:   # capture now: one call with these inputs, its effects undone
+        with _effects_undone(model), torch.no_grad():
+            model(*example_inputs)
+    return model
+
+
+def in_place_conversion(model: nn.Module) -> InPlaceConversion | None:
+    return model.__dict__.get(ATTRIBUTE) if isinstance(model, nn.Module) else None
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Undo convert(model, inplace=True): every converted module's own forward is back, graphs dropped."""
+    conversion = in_place_conversion(model)
+    if conversion is None:
+        raise TypeError(f"restore() takes a model converted with convert(model, inplace=True); "
+                        f"{type(model).__name__} is not")
+    for part in conversion.parts.values():
+        if part.own_forward is not None:
+            part.module.__dict__["forward"] = part.own_forward
+        else:
+            part.module.__dict__.pop("forward", None)
+    del model.__dict__[ATTRIBUTE]
+    return model
+
+
+class _effects_undone:
+    """Buffers (batch-norm statistics, counters) as they were before a conversion-time call."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        self.saved = [(b, b.detach().clone()) for b in self.model.buffers()]
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for buffer, value in self.saved:
+                buffer.copy_(value)
+
+
+def _record_calls(model: nn.Module, samples) -> dict:
+    """id(module) -> the (args, kwargs) of each call it received in fp32 runs of the samples."""
+    from amp_compiler.passes.painting.calibrate_ranges import check_calibration_data
+    check_calibration_data(samples)
+    calls: dict = {}
+
+    def record(module, args, kwargs):
+        calls.setdefault(id(module), []).append((args, dict(kwargs)))
+
+    handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in model.modules()
+               if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.parameters())]
+    try:
+        with _effects_undone(model), torch.no_grad():
+            for index, sample in enumerate(samples):
+                inputs = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+                try:
+                    model(*inputs)
+                except Exception as error:  # noqa: BLE001 - the sample is named
+                    raise ValueError(f"calibration_data sample {index}: the model fails on it: "
+                                     f"{type(error).__name__}: {error}") from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
