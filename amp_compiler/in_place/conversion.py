@@ -30,6 +30,9 @@ class InPlaceConversion:
     freeze: bool = False
     calibration: dict = dataclasses.field(default_factory=dict)   # id(module) -> [(args, kwargs)] it received
     parts: dict = dataclasses.field(default_factory=dict)         # path -> Part
+    # amp_compiler.initialize (Apex's O2/O3) casts the weights low after converting; its optimizer steps fp32
+    # masters, so captures accept the low parameters (the graphs' weight casts are then no-ops)
+    low_parameters_allowed: bool = False
 
     def add_part(self, module: nn.Module, path: str) -> Part:
         own = module.__dict__.get("forward")
@@ -51,7 +54,7 @@ class InPlaceConversion:
         example = tuple(t.detach() for t in tensors)
         samples = self._calibration_samples(part, call_key(args, kwargs)[0])
         with torch.inference_mode(False), torch.enable_grad():
-            captured = capture(wrapper, example)
+            captured = capture(wrapper, example, low_parameters_allowed=self.low_parameters_allowed)
             gm = compile_graph(captured, self.config, samples, freeze=self.freeze, follow_flags=False)
         watched = [(part.module.get_submodule(path.removeprefix("inner").lstrip(".")), flag)
                    for path, flag in captured.training_reads.items() if path.startswith("inner")]

@@ -1,0 +1,522 @@
+"""Apex's amp API (`from apex import amp`) on this project's compiler: a migration that changes one import.
+
+    model, optimizer = amp_compiler.initialize(model, optimizer, opt_level="O2")   # in place, as Apex
+    with amp_compiler.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+
+The levels are Apex's: O0 fp32 as written; O1 the op policy (convert(model, "O1", inplace=True)); O2 the
+model's weights low (norms fp32 with keep_batchnorm_fp32) and fp32 master weights in the optimizer's param
+groups: after backward the low gradients are unscaled into the masters' .grad, after step the masters are
+copied back into the model; O3 everything low. Each model is converted in place first, so its graphs cast
+inputs and outputs at their boundaries (what Apex's patched forward did); O2/O3 then cast the weights, which
+turns the graphs' weight casts into no-ops. Loss scaling reuses the loss-scale managers (train/loss_scale.py),
+one per loss (num_losses): an overflow halves the scale and the next optimizer.step() is skipped, as Apex's.
+The state (options, scalers, masters) is module-global, as Apex's `_amp_state`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+import warnings
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from amp_compiler.in_place.conversion import in_place_conversion
+from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
+from amp_compiler.train.scale_arguments import checked_scale
+
+LOW = (torch.float16, torch.bfloat16)
+NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)   # kept fp32 at O2 (keep_batchnorm_fp32)
+APEX_INIT_SCALE = 2.0 ** 16     # Apex's LossScaler starts here (min with max_loss_scale)
+APEX_MAX_SCALE = 2.0 ** 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Properties:
+    """One level's options after the user's overrides (Apex's `Properties`)."""
+    opt_level: str
+    low_dtype: torch.dtype            # the compiler's low dtype (O1's op policy, O2/O3's weights)
+    cast_weights: bool                # O2/O3: the model's weights are cast to low_dtype
+    keep_batchnorm_fp32: bool | None
+    master_weights: bool
+    loss_scale: float | str           # a number or "dynamic"
+    loss_scale_given: bool            # the user chose it (bf16's default is scale 1 otherwise)
+
+
+# Apex's defaults per level: cast the weights, keep_batchnorm_fp32, master_weights, loss_scale.
+LEVEL_DEFAULTS = {"O0": (False, None, False, 1.0), "O1": (False, None, False, "dynamic"),
+                  "O2": (True, True, True, "dynamic"), "O3": (True, False, False, 1.0)}
+
+
+@dataclasses.dataclass
+class AmpState:
+    properties: Properties | None
+    scalers: list = dataclasses.field(default_factory=list)    # LossScaleManager per loss_id
+    verbosity: int = 1
+    masters: dict = dataclasses.field(default_factory=dict)    # model parameter -> its fp32 master (O2)
+
+    @property
+    def enabled(self) -> bool:
+        return self.properties is not None
+
+    def say(self, message: str) -> None:
+        if self.verbosity > 0:
+            print(f"amp_compiler: {message}")
+
+
+_state: AmpState | None = None
+
+
+# -- initialize ------------------------------------------------------------------------------------------
+def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
+               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None,
+               cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None,
+               max_loss_scale=APEX_MAX_SCALE):
+    """Apex's amp.initialize: convert the model(s) in place and prepare the optimizer(s) for `opt_level`.
+
+    Returns the same objects, as Apex: lists where lists were given. Call it once, after building the models
+    and optimizers and before wrapping them in DistributedDataParallel.
+    """
+    global _state
+    if not enabled:
+        _state = AmpState(None, verbosity=verbosity)
+        return models if optimizers is None else (models, optimizers)
+    properties = resolve_properties(opt_level, cast_model_type, patch_torch_functions, keep_batchnorm_fp32,
+                                    master_weights, loss_scale, cast_model_outputs)
+    model_list, optimizer_list = _as_list(models, nn.Module, "models"), _optimizer_list(optimizers)
+    for model in model_list:
+        _refuse_low_parameters(model)
+    state = AmpState(properties, verbosity=verbosity)
+    state.scalers = [_loss_scaler(properties, min_loss_scale, max_loss_scale) for _ in range(_count(num_losses))]
+    to_cast = [p for model in model_list for p in _weights_to_cast(model, properties)]
+    for model in model_list:
+        _convert(model, properties)
+    # the masters start from the fp32 weights themselves (Apex's from their fp16 rounding)
+    masters = state.masters = {p: p.detach().clone() for p in to_cast
+                               if isinstance(p, nn.Parameter) and p.requires_grad and properties.master_weights}
+    for optimizer in optimizer_list:
+        _prepare_optimizer(optimizer, properties, masters)
+    held = {low for optimizer in optimizer_list for low, _ in optimizer._amp_stash.pairs}
+    for param in [p for p in masters if p not in held]:   # no optimizer steps it: no master
+        del masters[param]
+    _cast(to_cast, properties.low_dtype)
+    if properties.cast_weights:
+        for model in model_list:
+            _checkpoint_in_fp32(model, masters)
+    _state = state
+    state.say(f"initialize: {_summary(properties, state.scalers[0])}")
+    return _returned(models, model_list, optimizers, optimizer_list)
+
+
+def resolve_properties(opt_level, cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
+                       master_weights=None, loss_scale=None, cast_model_outputs=None) -> Properties:
+    """The level's Apex defaults with the user's overrides, each checked with a message naming the fix."""
+    if opt_level not in LEVEL_DEFAULTS:
+        raise ValueError(f"opt_level must be one of {', '.join(LEVEL_DEFAULTS)} (the letter O, not zero), "
+                         f"got {opt_level!r}")
+    cast_weights, keep_norms, masters, scale = LEVEL_DEFAULTS[opt_level]
+    low = torch.float16
+    if cast_model_type is not None:
+        cast_weights, low = _cast_model_type(opt_level, cast_model_type, cast_weights)
+    if patch_torch_functions not in (None, opt_level == "O1"):
+        raise ValueError(f"patch_torch_functions={patch_torch_functions!r} at {opt_level}: here the op policy "
+                         "is a level, not a switch: use opt_level='O1' for it, O0/O2/O3 without it")
+    if cast_model_outputs not in (None, torch.float32):
+        raise ValueError(f"cast_model_outputs={cast_model_outputs!r}: converted models return float32 outputs "
+                         "where the model as written does (keep_io_types); cast the outputs yourself")
+    if keep_batchnorm_fp32 is not None:
+        keep_norms = _boolean(keep_batchnorm_fp32, "keep_batchnorm_fp32")
+    if master_weights is not None:
+        masters = _boolean(master_weights, "master_weights")
+    given = loss_scale is not None
+    if given:
+        scale = _loss_scale(loss_scale)
+    return Properties(opt_level, low, cast_weights, keep_norms, masters and cast_weights, scale, given)
+
+
+def _cast_model_type(opt_level: str, value, default: bool) -> tuple[bool, torch.dtype]:
+    """(cast the weights?, low dtype). False or float32: weights stay as they are; at O1 a low dtype picks
+    the op policy's dtype (Apex refuses it there: its O1 is fp16 only)."""
+    if value is False or value == torch.float32:
+        return False, torch.float16
+    if value not in LOW:
+        raise ValueError(f"cast_model_type must be torch.float16, torch.bfloat16, torch.float32 or False, got "
+                         f"{value!r}")
+    if opt_level == "O0":
+        raise ValueError(f"cast_model_type={value} at O0: O0 trains in fp32; use opt_level='O1' (op policy), "
+                         "'O2' (low weights, fp32 masters) or 'O3' (everything low)")
+    return default, value
+
+
+def _boolean(value, name: str) -> bool:
+    if value in (True, False, "True", "False"):
+        return value in (True, "True")
+    raise ValueError(f"{name} must be True, False, 'True' or 'False', got {value!r}")
+
+
+def _loss_scale(value) -> float | str:
+    if value == "dynamic":
+        return "dynamic"
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"loss_scale must be a number, a number as a string ('128.0') or 'dynamic', "
+                         f"got {value!r}") from None
+    return checked_scale(number, "loss_scale")
+
+
+def _count(num_losses) -> int:
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+        raise ValueError(f"num_losses must be a positive integer (one loss scaler per loss), got {num_losses!r}")
+    return num_losses
+
+
+class ApexDynamicLossScale(DynamicLossScaleManager):
+    """Apex's dynamic rule on the project's manager: starts at min(2**16, max_loss_scale), halves on overflow
+    (not below min_loss_scale, nor 1), doubles after 2000 clean steps (not above max_loss_scale)."""
+
+    def __init__(self, min_loss_scale=None, max_loss_scale=APEX_MAX_SCALE) -> None:
+        self.max_loss_scale = checked_scale(max_loss_scale, "max_loss_scale")
+        self.min_loss_scale = 1.0 if min_loss_scale is None else checked_scale(min_loss_scale, "min_loss_scale")
+        if self.min_loss_scale > self.max_loss_scale:
+            raise ValueError(f"min_loss_scale ({min_loss_scale}) is above max_loss_scale ({max_loss_scale})")
+        super().__init__(init_loss_scale=min(APEX_INIT_SCALE, self.max_loss_scale), scale_factor=2,
+                         scale_window=2000)
+
+    def _follow_rule(self, overflow: bool) -> None:
+        super()._follow_rule(overflow)
+        self.loss_scale = min(max(self.loss_scale, self.min_loss_scale), self.max_loss_scale)
+
+
+def _loss_scaler(properties: Properties, min_loss_scale, max_loss_scale) -> LossScaleManager:
+    if properties.loss_scale != "dynamic":   # Apex's static scale applies an overflowing step anyway
+        return FixedLossScaleManager(properties.loss_scale, drop_overflow_update=False)
+    if properties.low_dtype == torch.bfloat16 and not properties.loss_scale_given:
+        return FixedLossScaleManager(1.0, drop_overflow_update=True)   # bf16 has fp32's range: no scale needed
+    return ApexDynamicLossScale(min_loss_scale, max_loss_scale)
+
+
+def _as_list(value, kind: type, name: str) -> list:
+    values = value if isinstance(value, list) else [value]
+    wrong = [type(v).__name__ for v in values if not isinstance(v, kind)]
+    if wrong:
+        raise TypeError(f"{name} must be a {kind.__name__} or a list of them, got {', '.join(wrong)}")
+    return values
+
+
+def _optimizer_list(optimizers) -> list:
+    return [] if optimizers is None else _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+
+
+def _returned(models, model_list, optimizers, optimizer_list):
+    """Apex's shapes: a list back where a list came in; the models alone without optimizers."""
+    models_back = model_list if isinstance(models, list) else model_list[0]
+    if optimizers is None:
+        return models_back
+    return models_back, optimizer_list if isinstance(optimizers, list) else optimizer_list[0]
+
+
+def _refuse_low_parameters(model: nn.Module) -> None:
+    low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in LOW})
+    if low:   # Apex's check_params_fp32: the masters must start from fp32 weights
+        raise ValueError(f"{type(model).__name__} has {', '.join(low)} parameters: initialize() starts from an "
+                         "fp32 model (O2/O3 cast the weights themselves). Call model.float() first.")
+
+
+def _convert(model: nn.Module, properties: Properties) -> None:
+    if properties.opt_level == "O0":
+        return   # fp32 as written
+    from amp_compiler.convert import convert   # convert imports the in-place conversion, which imports nothing here
+    overrides = {} if properties.keep_batchnorm_fp32 is None else {"keep_batchnorm_fp32": properties.keep_batchnorm_fp32}
+    convert(model, properties.opt_level, inplace=True, dtype=properties.low_dtype, **overrides)
+    if properties.cast_weights:
+        in_place_conversion(model).low_parameters_allowed = True   # the masters stay fp32 in the optimizer
+
+
+def _weights_to_cast(model: nn.Module, properties: Properties) -> list[torch.Tensor]:
+    """O2/O3's low tensors: every floating parameter, but the norms' at O2 with keep_batchnorm_fp32; a low
+    norm's running statistics too (torch's batch norm wants them in its weights' dtype). Other buffers stay:
+    the graphs cast them where the op policy says."""
+    if not properties.cast_weights:
+        return []
+    keep_norms = bool(properties.keep_batchnorm_fp32)
+    tensors = {}
+    for module in model.modules():
+        if keep_norms and isinstance(module, NORMS):
+            continue
+        buffers = module.buffers(recurse=False) if isinstance(module, NORMS) else ()
+        for tensor in (*module.parameters(recurse=False), *buffers):
+            if tensor.is_floating_point():
+                tensors[id(tensor)] = tensor   # a parameter shared by two modules is cast once
+    return list(tensors.values())
+
+
+def _cast(tensors: list[torch.Tensor], dtype: torch.dtype) -> None:
+    # .data on the model's own Parameter objects: the in-place graphs and the user's references see the cast
+    for tensor in tensors:
+        tensor.data = tensor.data.to(dtype)
+
+
+def _summary(properties: Properties, scaler: LossScaleManager) -> str:
+    weights = f"weights {properties.low_dtype}" if properties.cast_weights else "weights as they are"
+    if properties.cast_weights and properties.keep_batchnorm_fp32:
+        weights += " (norms fp32)"
+    masters = ", fp32 master weights" if properties.master_weights else ""
+    return f"opt_level {properties.opt_level}: {weights}{masters}, loss scale {scaler!r}"
+
+
+# -- the optimizer ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class OptimizerStash:
+    """What initialize adds to an optimizer (`optimizer._amp_stash`, Apex's name)."""
+    pairs: list = dataclasses.field(default_factory=list)        # (low model parameter, its fp32 master)
+    own: list = dataclasses.field(default_factory=list)          # parameters the optimizer steps themselves
+    stashed: list = dataclasses.field(default_factory=list)      # their gradients from before this backward
+    skip_next_step: bool = False          # scale_loss found inf/nan: the next step() does nothing
+    scaled_grads_pending: bool = False    # a delay_unscale backward left scaled gradients
+
+    def adopt(self, params, master_weights: bool, masters: dict) -> list:
+        """The params a param group holds: an fp32 master for each low one (at O2), else the param itself."""
+        adopted = []
+        for param in params:
+            will_be_low = param in masters or param.dtype in LOW
+            if master_weights and param.requires_grad and will_be_low:
+                master = masters.get(param)
+                if master is None:   # a low parameter from add_param_group: its master starts from it
+                    master = masters[param] = param.detach().float()
+                master.requires_grad_(True)
+                self.pairs.append((param, master))
+                adopted.append(master)
+            else:
+                self.own.append(param)
+                adopted.append(param)
+        return adopted
+
+    def before_backward(self) -> None:
+        """Gradients from earlier backwards are unscaled already: set them aside, added back after."""
+        for low, _ in self.pairs:
+            low.grad = None
+        self.stashed = [param.grad for param in self.own]
+        for param in self.own:
+            param.grad = None
+
+    def after_backward(self, inv_scale: float) -> bool:
+        """Unscale this backward's gradients into the masters (the own parameters' into themselves), add the
+        earlier ones; True when any of this backward's is inf/nan."""
+        new = [(master, low.grad.float(), master.grad) for low, master in self.pairs if low.grad is not None]
+        stashed = self.stashed or [None] * len(self.own)
+        for param, before in zip(self.own, stashed):
+            if param.grad is None:
+                param.grad = before
+            else:
+                new.append((param, param.grad.float(), before))
+        self.stashed = []
+        found = _unscale_([grad for _, grad, _ in new], inv_scale)
+        for target, grad, before in new:
+            total = grad if before is None else grad + before
+            target.grad = total.to(target.dtype)
+        return found
+
+    @torch.no_grad()
+    def masters_to_model(self) -> None:
+        for low, master in self.pairs:
+            low.copy_(master)
+
+    def clear_master_grads(self) -> None:
+        # model.zero_grad() cannot reach them (Apex clears them after each step too)
+        for _, master in self.pairs:
+            master.grad = None
+
+
+def _unscale_(grads: list[torch.Tensor], inv_scale: float) -> bool:
+    """Multiply fp32 gradients by 1/scale in place (the fused kernel GradScaler uses); any inf/nan?"""
+    found = False
+    by_device: dict = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    for device, group in by_device.items():
+        flag = torch.zeros((), device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, torch.full((), inv_scale, device=device))
+        found = found or bool(flag.item())
+    return found
+
+
+def _prepare_optimizer(optimizer: torch.optim.Optimizer, properties: Properties, masters: dict) -> None:
+    if hasattr(optimizer, "_amp_stash"):
+        raise RuntimeError("this optimizer went through amp_compiler.initialize already: call initialize once, "
+                           "with every model and optimizer (lists)")
+    stash = optimizer._amp_stash = OptimizerStash()
+    for group in optimizer.param_groups:
+        holds = list(group["params"])
+        group["params"] = stash.adopt(holds, properties.master_weights, masters)
+        for before, now in zip(holds, group["params"]):
+            if before is not now and before in optimizer.state:   # momentum etc. move to the master
+                optimizer.state[now] = optimizer.state.pop(before)
+    if stash.pairs and optimizer.state:
+        optimizer.load_state_dict(optimizer.state_dict())   # casts the moved states to fp32, as Apex
+    _patch_methods(optimizer, stash, properties, masters)
+
+
+def _patch_methods(optimizer: torch.optim.Optimizer, stash: OptimizerStash, properties: Properties,
+                   masters: dict) -> None:
+    """step, zero_grad and add_param_group as instance methods (the class is untouched), as Apex patches them;
+    bound methods, so an LR scheduler created later can wrap step()."""
+    step, zero_grad, add_param_group = optimizer.step, optimizer.zero_grad, optimizer.add_param_group
+
+    def amp_step(self, closure=None):
+        if closure is not None:
+            raise RuntimeError("optimizer.step(closure) is not supported after initialize (nor by Apex): the "
+                               "closure would recompute gradients outside scale_loss; call backward in "
+                               "scale_loss, then step()")
+        if stash.skip_next_step:   # scale_loss found inf/nan in this step's gradients
+            stash.skip_next_step = False
+            stash.clear_master_grads()
+            return None
+        result = step()
+        stash.masters_to_model()
+        stash.clear_master_grads()
+        return result
+
+    def amp_zero_grad(self, set_to_none: bool = True):
+        zero_grad(set_to_none=set_to_none)
+        for low, _ in stash.pairs:   # the model's low parameters are not in the param groups
+            low.grad = None
+
+    def amp_add_param_group(self, param_group: dict):
+        params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("add_param_group: give the parameters as a list (a set's order changes between runs)")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        add_param_group({**param_group, "params": stash.adopt(params, properties.master_weights, masters)})
+
+    optimizer.step = types.MethodType(amp_step, optimizer)
+    optimizer.zero_grad = types.MethodType(amp_zero_grad, optimizer)
+    optimizer.add_param_group = types.MethodType(amp_add_param_group, optimizer)
+
+
+# -- the model's checkpoints --------------------------------------------------------------------------------
+def _checkpoint_in_fp32(model: nn.Module, masters: dict) -> None:
+    """model.state_dict() holds fp32 weights (the masters' values where there are masters; Apex's
+    O2StateDictHook saves the fp16 weights cast up), and load_state_dict() sets the masters too, so a
+    checkpoint restores training exactly."""
+    def fp32_values(module, state_dict, prefix, local_metadata):
+        for name, param in module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if key in state_dict and param in masters:
+                state_dict[key] = masters[param].detach()
+        for key, value in state_dict.items():
+            if isinstance(value, torch.Tensor) and value.dtype in LOW:
+                state_dict[key] = value.float()
+
+    @torch.no_grad()
+    def load_masters(module, state_dict, prefix, *rest):
+        for name, param in module.named_parameters(remove_duplicate=False):
+            value = state_dict.get(prefix + name)
+            master = masters.get(param)
+            if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
+                master.copy_(value)
+
+    model.register_state_dict_post_hook(fp32_values)
+    model.register_load_state_dict_pre_hook(load_masters)
+
+
+# -- scale_loss, master_params, state_dict --------------------------------------------------------------------
+def _initialized() -> AmpState:
+    if _state is None:
+        raise RuntimeError("amp_compiler.initialize() has not been called: call model, optimizer = "
+                           "amp_compiler.initialize(model, optimizer, opt_level=...) before scale_loss/state_dict")
+    return _state
+
+
+@contextlib.contextmanager
+def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False):
+    """Apex's amp.scale_loss: yields `loss.float() * scale`; on exit the gradients are unscaled (into the fp32
+    masters at O2) and checked: inf/nan halves the scale (dynamic) and skips the next optimizer.step().
+
+    delay_unscale=True leaves this backward's gradients scaled for a later scale_loss to unscale (Apex's
+    gradient accumulation shortcut); `model` is unused, as in Apex.
+    """
+    state = _initialized()
+    if not state.enabled:
+        yield loss
+        return
+    stashes = [_stash_of(optimizer) for optimizer in _optimizer_list(optimizers)]
+    scaler = _scaler(state, loss_id)
+    scale = scaler.get_loss_scale()
+    if scale == 1 and not scaler.get_drop_overflow_update() and not any(s.pairs for s in stashes):
+        yield loss.float()   # Apex: static scale 1 and no masters, nothing to unscale or check
+        return
+    for stash in stashes:
+        if not stash.scaled_grads_pending:
+            stash.before_backward()
+    yield loss.float() * scale
+    if delay_unscale:
+        for stash in stashes:
+            stash.scaled_grads_pending = True
+        return
+    overflow = False
+    for stash in stashes:
+        overflow = stash.after_backward(1.0 / scale) or overflow
+        stash.scaled_grads_pending = False
+    if not delay_overflow_check:
+        _update(state, scaler, loss_id, overflow, stashes)
+
+
+def _stash_of(optimizer) -> OptimizerStash:
+    stash = getattr(optimizer, "_amp_stash", None)
+    if stash is None:
+        raise RuntimeError(f"scale_loss got a {type(optimizer).__name__} that did not go through "
+                           "amp_compiler.initialize: pass every optimizer to initialize (a list for several)")
+    return stash
+
+
+def _scaler(state: AmpState, loss_id) -> LossScaleManager:
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(state.scalers):
+        raise ValueError(f"loss_id must be an integer from 0 to num_losses - 1 = {len(state.scalers) - 1}, got "
+                         f"{loss_id!r}: give initialize(num_losses=...) one scaler per loss")
+    return state.scalers[loss_id]
+
+
+def _update(state: AmpState, scaler: LossScaleManager, loss_id: int, overflow: bool, stashes: list) -> None:
+    scaler.update_loss_scale(overflow)
+    if overflow and scaler.get_drop_overflow_update():
+        for stash in stashes:
+            stash.skip_next_step = True
+        state.say(f"gradient overflow, skipping the step; loss scaler {loss_id} reduces the loss scale to "
+                  f"{scaler.get_loss_scale():g}")
+
+
+def master_params(optimizer: torch.optim.Optimizer):
+    """The parameters the optimizer steps: the fp32 masters at O2, the model's own parameters otherwise."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def state_dict(destination=None) -> dict:
+    """The loss scalers, in Apex's format: {"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}."""
+    destination = OrderedDict() if destination is None else destination
+    for index, scaler in enumerate(_initialized().scalers):
+        destination[f"loss_scaler{index}"] = {"loss_scale": scaler.get_loss_scale(),
+                                              "unskipped": getattr(scaler, "clean_steps", 0)}
+    return destination
+
+
+def load_state_dict(state_dict: dict) -> None:
+    """Restore state_dict() (Apex's format): each loss scaler's scale and its clean-step count."""
+    scalers = _initialized().scalers
+    unexpected = [key for key in state_dict if "loss_scaler" not in key]
+    if unexpected:
+        raise RuntimeError(f"amp state_dict has unexpected keys {unexpected}: give it what "
+                           "amp_compiler.state_dict() (or Apex's amp.state_dict()) returned")
+    if len(state_dict) != len(scalers):
+        warnings.warn(f"the amp state_dict holds {len(state_dict)} loss scalers and initialize(num_losses=...) "
+                      f"made {len(scalers)}: the first {min(len(state_dict), len(scalers))} are restored",
+                      RuntimeWarning, stacklevel=2)
+    for scaler, saved in zip(scalers, state_dict.values()):
+        scaler.set_loss_scale(saved["loss_scale"])
+        if hasattr(scaler, "clean_steps"):
+            scaler.clean_steps = int(saved["unskipped"])
