@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from amp_compiler.config import AmpConfig
-from amp_compiler.frontend import capture, share_module_tree
+from amp_compiler.frontend import TracingError, capture, share_module_tree
 from amp_compiler.frontend.hooks import HOOK_DICTS
 from amp_compiler.in_place.call_key import Uncapturable, call_key
 from amp_compiler.in_place.part import Graph, Part, PartForward, bound_call, low_node_count
@@ -30,6 +30,8 @@ class InPlaceConversion:
     freeze: bool = False
     calibration: dict = dataclasses.field(default_factory=dict)   # id(module) -> [(args, kwargs)] it received
     parts: dict = dataclasses.field(default_factory=dict)         # path -> Part
+    sample_values: bool = True    # freeze(model, sample_values=...): for the graphs captured later too
+    captured: int = 0             # captures so far: each graph's gm.meta["amp"]["capture"] (the latest shows)
     # amp_compiler.initialize (Apex's O2/O3) casts the weights low after converting; its optimizer steps fp32
     # masters, so captures accept the low parameters (the graphs' weight casts are then no-ops)
     low_parameters_allowed: bool = False
@@ -55,11 +57,29 @@ class InPlaceConversion:
         samples = self._calibration_samples(part, call_key(args, kwargs)[0])
         with torch.inference_mode(False), torch.enable_grad():
             captured = capture(wrapper, example, low_parameters_allowed=self.low_parameters_allowed)
-            gm = compile_graph(captured, self.config, samples, freeze=self.freeze, follow_flags=False)
+            if "inner" in captured.opaque:   # fx could trace none of it: its children are tried instead
+                raise TracingError(captured.opaque["inner"])
+            gm = compile_graph(captured, self.config, samples, follow_flags=False)
+        _read_live_tensors(gm, part.module)
         watched = [(part.module.get_submodule(path.removeprefix("inner").lstrip(".")), flag)
                    for path, flag in captured.training_reads.items() if path.startswith("inner")]
         gm.meta["amp"]["part"] = part.path
+        self.captured += 1
+        gm.meta["amp"]["capture"] = self.captured
+        if self.freeze:
+            _freeze_graph(gm, part.module.training, self.sample_values)
         return Graph(gm, watched, low_node_count(gm))
+
+    def freeze_graphs(self, sample_values: bool = True) -> None:
+        """amp_compiler.freeze(model): the graphs captured so far keep weight copies, and those captured later."""
+        self.freeze, self.sample_values = True, sample_values
+        for part in self.parts.values():
+            for key, graphs in part.graphs.items():
+                for graph in graphs:
+                    _freeze_graph(graph.gm, key[0], sample_values)   # key[0]: the module's training flag
+
+    def graph_modules(self) -> list:
+        return [graph.gm for part in self.parts.values() for graphs in part.graphs.values() for graph in graphs]
 
     def _calibration_samples(self, part: Part, key) -> list | None:
         if not self.calibration:
@@ -73,6 +93,31 @@ class InPlaceConversion:
             if sample_key == key:   # calls like the one captured: same graph inputs
                 samples.append(tuple(sample_tensors))
         return samples
+
+
+def _read_live_tensors(gm: nn.Module, module: nn.Module) -> None:
+    """The graph's copies of the part's modules share the user's modules' parameter and buffer dicts, so a
+    tensor put there later (load_state_dict(assign=True), FSDP2's unsharded parameters, a new Parameter) is
+    the one the graph reads, never a stale one."""
+    inner = gm._modules.get("inner")
+    if inner is None:   # the torch.export front end lifts parameters onto the graph itself
+        return
+    live = dict(module.named_modules(remove_duplicate=False))
+    for path, copy in inner.named_modules(remove_duplicate=False):
+        original = live.get(path)
+        if original is None or type(original) is not type(copy):
+            continue
+        if copy._parameters.keys() == original._parameters.keys():
+            copy._parameters = original._parameters
+        if copy._buffers.keys() == original._buffers.keys():
+            copy._buffers = original._buffers
+
+
+def _freeze_graph(gm, training: bool, sample_values: bool) -> None:
+    from amp_compiler.frozen import HOLDER, freeze
+    if not hasattr(gm, HOLDER):
+        freeze(gm, sample_values=sample_values)
+        gm.get_submodule(HOLDER).train(training)   # the copies serve eval calls; gm.training is the capture's
 
 
 def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None, calibration_data=None,

@@ -85,6 +85,8 @@ class Part:
             result = self.original()(*args, **kwargs)   # the user's own error raises here, graph kept
         # the module as written takes this call: the graph assumed something about shapes
         self.graphs[key].remove(graph)
+        if not self.graphs[key]:
+            del self.graphs[key]
         self.keyed_by_shape = True
         return result
 
@@ -178,4 +180,6 @@ def bound_call(module: nn.Module, args: tuple, kwargs: dict, count: int) -> Boun
     namespace = {"fill": fill}
     exec(compile(source, f"<in-place call of {type(module).__name__}>", "exec"), namespace)   # noqa: S102
     cls = type(f"{type(module).__name__}Call", (BoundCall,), {"forward": namespace["forward"]})
-    return cls(module, args, kwargs)
+    wrapper = cls(module, args, kwargs)
+    wrapper.training = module.training   # the GraphModule takes the root's flag for its whole tree
+    return wrapper
