@@ -283,3 +283,15 @@ def test_o0_changes_nothing():
     expected = model(x, Opaque(1.5))
     amp_compiler.convert(model, "O0", inplace=True)
     assert torch.equal(model(x, Opaque(1.5)), expected)
+
+
+def test_a_submodule_switched_alone_to_eval_is_followed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4)).train()
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    x = torch.randn(4, 16)
+    model(x)
+    model[1].eval()   # the root is still in train mode: its call key is the same
+    torch.manual_seed(1)
+    assert torch.equal(model(x), model(x))   # no dropout any more
+    assert torch.allclose(model(x), nn.Sequential.forward(model, x), rtol=0.02, atol=0.02)

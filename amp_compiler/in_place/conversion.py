@@ -63,6 +63,7 @@ class InPlaceConversion:
         _read_live_tensors(gm, part.module)
         watched = [(part.module.get_submodule(path.removeprefix("inner").lstrip(".")), flag)
                    for path, flag in captured.training_reads.items() if path.startswith("inner")]
+        watched += _called_modules_flags(gm, part.module)
         gm.meta["amp"]["part"] = part.path
         self.captured += 1
         gm.meta["amp"]["capture"] = self.captured
@@ -111,6 +112,15 @@ def _read_live_tensors(gm: nn.Module, module: nn.Module) -> None:
             copy._parameters = original._parameters
         if copy._buffers.keys() == original._buffers.keys():
             copy._buffers = original._buffers
+        copy.training = original.training   # the GraphModule gave every copy the root's flag
+
+
+def _called_modules_flags(gm: nn.Module, module: nn.Module) -> list:
+    """(user's module, flag) for the modules the graph calls (dropout, batch norm follow their own flag): a
+    graph is used only while each still has the flag its copy has, so `model.backbone.eval()` alone counts."""
+    called = {node.target.removeprefix("inner.") for node in gm.graph.nodes
+              if node.op == "call_module" and node.target.startswith("inner.")}
+    return [(module.get_submodule(path), module.get_submodule(path).training) for path in sorted(called)]
 
 
 def _freeze_graph(gm, training: bool, sample_values: bool) -> None:
