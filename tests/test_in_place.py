@@ -295,3 +295,17 @@ def test_a_submodule_switched_alone_to_eval_is_followed():
     torch.manual_seed(1)
     assert torch.equal(model(x), model(x))   # no dropout any more
     assert torch.allclose(model(x), nn.Sequential.forward(model, x), rtol=0.02, atol=0.02)
+
+
+def test_a_wrapper_put_on_the_forward_after_conversion_still_reaches_the_part():
+    # Accelerate's prepare() rewraps model.forward.__func__ as a method of the model
+    import types
+    model = amp_compiler.convert(nn.Linear(16, 16), "O1", dtype=BF16, inplace=True)
+    wrapped = model.forward.__func__
+    model.forward = types.MethodType(lambda self, *args: wrapped(self, *args) + 0, model)
+    x = torch.randn(4, 16)
+    model(x)   # captures
+    with AtenDtypeRecorder() as recorder:
+        out = model(x)
+    assert parts(model)[""].captures == 1 and recorder.input_dtypes("addmm") == {BF16}
+    assert torch.allclose(out, nn.Linear.forward(model, x), rtol=0.02, atol=0.02)

@@ -32,9 +32,10 @@ class InPlaceConversion:
     parts: dict = dataclasses.field(default_factory=dict)         # path -> Part
     sample_values: bool = True    # freeze(model, sample_values=...): for the graphs captured later too
     captured: int = 0             # captures so far: each graph's gm.meta["amp"]["capture"] (the latest shows)
-    # amp_compiler.initialize (Apex's O2/O3) casts the weights low after converting; its optimizer steps fp32
-    # masters, so captures accept the low parameters (the graphs' weight casts are then no-ops)
-    low_parameters_allowed: bool = False
+    # amp_compiler.initialize (Apex's O2/O3) casts the weights low after converting (its optimizer steps fp32
+    # masters): a capture sees fp32 copies of them, so the graph is the one convert() builds for the fp32
+    # model, and its casts of the weights are no-ops at run time
+    weights_cast_low: bool = False
 
     def add_part(self, module: nn.Module, path: str) -> Part:
         own = module.__dict__.get("forward")
@@ -49,14 +50,19 @@ class InPlaceConversion:
         """Capture `part.module` called as (args, kwargs) and compile it with this conversion's config."""
         from amp_compiler.convert import compile_graph   # convert imports this module
         inner = share_module_tree(part.module)
+        # what the part runs as written, never a wrapper put on its forward since (it would call the part again)
+        inner.__dict__.pop("forward", None)
+        if part.own_forward is not None:
+            inner.__dict__["forward"] = part.own_forward
         for name in HOOK_DICTS:   # the part's own hooks fire around its call, not again inside the graph
             if name in inner.__dict__:
                 inner.__dict__[name].clear()
         wrapper = bound_call(inner, args, kwargs, len(tensors))
         example = tuple(t.detach() for t in tensors)
         samples = self._calibration_samples(part, call_key(args, kwargs)[0])
-        with torch.inference_mode(False), torch.enable_grad():
-            captured = capture(wrapper, example, low_parameters_allowed=self.low_parameters_allowed)
+        fp32_weights = _fp32_while_captured(part.module, self.weights_cast_low)
+        with torch.inference_mode(False), torch.enable_grad(), fp32_weights:
+            captured = capture(wrapper, example)
             if "inner" in captured.opaque:   # fx could trace none of it: its children are tried instead
                 raise TracingError(captured.opaque["inner"])
             gm = compile_graph(captured, self.config, samples, follow_flags=False)
@@ -173,6 +179,22 @@ def restore(model: nn.Module) -> nn.Module:
             part.module.__dict__.pop("forward", None)
     del model.__dict__[ATTRIBUTE]
     return model
+
+
+class _fp32_while_captured:
+    """The module's fp16/bf16 parameters and buffers hold fp32 copies for the time of a capture."""
+
+    def __init__(self, module: nn.Module, enabled: bool):
+        tensors = (*module.parameters(), *module.buffers()) if enabled else ()
+        self.low = [(t, t.data) for t in tensors if t.dtype in (torch.float16, torch.bfloat16)]
+
+    def __enter__(self):
+        for tensor, data in self.low:
+            tensor.data = data.float()
+
+    def __exit__(self, *exc):
+        for tensor, data in self.low:
+            tensor.data = data
 
 
 class _effects_undone:

@@ -154,6 +154,17 @@ class PartForward:
     def __doc__(self):
         return self.part.original().__doc__
 
+    # Code that rewraps a bound forward (Accelerate: MethodType(wrapper(model.forward.__func__), model)) still
+    # reaches the part through these.
+    @property
+    def __self__(self):
+        return self.part.module
+
+    @property
+    def __func__(self):
+        part = self.part
+        return lambda module, *args, **kwargs: part.call(args, kwargs)
+
     def __repr__(self):
         return f"<in-place converted forward of {self.part.name}>"
 
