@@ -18,7 +18,7 @@ from torch import nn
 import amp_compiler
 from amp_compiler.in_place import CAPTURE_LIMIT, CaptureLimitWarning, in_place_conversion
 from amp_testing import AtenDtypeRecorder
-from models import build
+from models import ZOO_NAMES, build
 
 BF16 = torch.bfloat16
 
@@ -73,8 +73,9 @@ def test_same_object_class_signature_methods_and_state_dict():
     assert [name for name, _ in model.named_modules()] == ["", "norm", "up", "down"]   # nothing registered
 
 
-def test_outputs_and_decisions_equal_convert():
-    task = build("gpt", size="small", seed=0)
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_outputs_and_decisions_equal_convert(name):
+    task = build(name, size="small", seed=0)
     task.model.eval()   # dropout off: both runs are deterministic
     # a part captures on the inputs it gets: the reference knows them too (shape-aware passes see the same)
     reference = amp_compiler.convert(copy.deepcopy(task.model), "O1", dtype=BF16, example_inputs=task.example_inputs)
