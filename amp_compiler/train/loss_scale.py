@@ -34,6 +34,8 @@ class LossScaleManager(PlainLoopScaling, abc.ABC):
     methods pass through (as GradScaler's); build_train_network still skips non-finite steps.
     """
     state_type = "LossScaleManager"   # what state_dict() is labelled with and load_state_dict() accepts
+    # where the last skipped step went non-finite (overflow_report.locate_overflow); set by record_overflow
+    last_overflow_report = None
 
     def __init__(self, bad_step_max: int | None = BAD_STEP_MAX, enabled: bool = True) -> None:
         super().__init__()
@@ -62,6 +64,11 @@ class LossScaleManager(PlainLoopScaling, abc.ABC):
         if self._enabled:
             self._follow_rule(bool(overflow))
         self._record_outcome(overflow)
+
+    def record_overflow(self, report):
+        """Keep `report` (an OverflowReport from locate_overflow, or None) as last_overflow_report; returns it."""
+        self.last_overflow_report = report
+        return report
 
     def set_loss_scale(self, value: float) -> None:
         self.loss_scale = checked_scale(value, "the loss scale")

@@ -1,0 +1,407 @@
+"""Where an overflowing mixed-precision step went non-finite: the first node, found by replaying that step.
+
+    if overflowed:                                  # the scaler skipped this step
+        report = locate_overflow(model, replay)     # replay(): the same forward+backward once more
+        if report is not None:
+            log.warning(str(scaler.record_overflow(report)))
+
+A normal step pays nothing: checks exist only during the replay. For the replay every graph of the model
+runs node by node through a checking fx.Interpreter (its GraphModule's `forward` is swapped for the replay
+and put back after), each floating node output is tested for inf/nan and gets a gradient hook; modules that
+run as written (parts of an in-place conversion that could not be captured, or any plain nn.Module) are
+checked at their inputs and outputs by module hooks, a coarser granularity. The report names:
+
+    forward     the first node (execution order) whose output went inf/nan, with its module path
+    backward    the first node in backward order (nearest the loss) whose gradient w.r.t. its output did
+    parameters  the parameters whose .grad is non-finite after the replay
+
+The replay leaves the model as it found it: graphs' forwards, hooks, buffers (batch-norm statistics) and
+every parameter's .grad are restored; the caller restores the RNG state so dropout draws the same masks.
+Nothing in the checking raises: a failure there ends the checks and the report says what was found so far.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from amp_compiler.in_place.conversion import _effects_undone   # buffers back as they were
+from amp_compiler.insight.graph_decisions import module_of
+from amp_compiler.passes.node_facts import facts
+
+MODEL = "<model>"                 # how a report prints the model itself (module path "")
+SHORT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+PARAMETERS_SHOWN = 3              # str(report) names this many non-finite parameter gradients
+
+
+@dataclass
+class OverflowReport:
+    """What a replay of an overflowing step found; each place is a dict(part, module, node, op, value, dtype,
+    found) where `node` is None for a module-level finding (a module run as written)."""
+    forward: dict | None = None
+    backward: dict | None = None
+    parameters: list = field(default_factory=list)
+    precision: str = "fp16"        # the model's low dtype, as the first line names it
+    note: str | None = None        # the checks stopped early, or the replay raised: why
+
+    def __str__(self) -> str:
+        first = f"{self.precision} step overflowed: " + (
+            f"forward value of {_place(self.forward)} became {self.forward['value']}" if self.forward
+            else "every checked forward value stayed finite")
+        lines = [first]
+        if self.backward:
+            lines.append(f"first non-finite gradient (nearest the loss): w.r.t. the output of "
+                         f"{_place(self.backward)}, {self.backward['value']}")
+        elif self.forward:
+            lines.append("no checked gradient w.r.t. a node's output went non-finite")
+        else:
+            lines.append("no checked gradient went non-finite either: look at the loss and the labels")
+        if self.parameters:
+            shown = ", ".join(self.parameters[:PARAMETERS_SHOWN])
+            more = f" and {len(self.parameters) - PARAMETERS_SHOWN} more" if len(self.parameters) > PARAMETERS_SHOWN \
+                else ""
+            lines.append(f"non-finite .grad in {len(self.parameters)} parameter(s): {shown}{more}")
+        if self.note:
+            lines.append(f"note: {self.note}")
+        return ";\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"forward": self.forward, "backward": self.backward, "parameters": list(self.parameters),
+                "precision": self.precision, "note": self.note}
+
+
+def _place(where: dict) -> str:
+    module = where["module"] or MODEL
+    if where["node"] is None:
+        how = "run as written" if where["found"] == "module output" else where["found"]
+        return f"module '{module}' ({where['op']}, {how})"
+    return f"node '{where['node']}' ({module}, {where['op']})"
+
+
+def locate_overflow(model: nn.Module, replay) -> OverflowReport | None:
+    """Replay an overflowed step with per-node inf/nan checks; None when the replay stays finite.
+
+    `replay()` runs the same forward and backward once more: same batch, same loss scale, same RNG state
+    (restore it inside replay, e.g. under torch.random.fork_rng(), so the training's stream is untouched).
+    The model, its graphs and the parameters' .grad are left as they were; this never raises."""
+    finder = _Finder()
+    parameters = list(model.named_parameters())
+    try:
+        with _checks_installed(model, finder), _grads_kept(parameters), _effects_undone(model):
+            try:
+                replay()
+            except Exception as error:  # noqa: BLE001 - a report is still wanted; the note names the error
+                finder.note = finder.note or f"the replay raised {type(error).__name__}: {_first_line(error)}"
+            finder.parameters = [name for name, p in parameters if p.grad is not None and not _finite(p.grad)]
+    except Exception as error:  # noqa: BLE001 - installing or removing the checks failed: report what was seen
+        finder.note = finder.note or f"the checks failed: {type(error).__name__}: {_first_line(error)}"
+    if finder.forward is None and finder.backward is None and not finder.parameters and finder.note is None:
+        return None
+    return OverflowReport(finder.forward, finder.backward, finder.parameters, _precision_of(model), finder.note)
+
+
+# --- what was seen ------------------------------------------------------------------------------------
+class _Finder:
+    """The first non-finite forward value and gradient seen; hooks from backward threads share it."""
+
+    def __init__(self):
+        self.forward: dict | None = None
+        self.backward: dict | None = None
+        self.parameters: list = []
+        self.note: str | None = None
+        self.handles: list = []            # tensor hooks to remove after the replay
+        self._lock = threading.Lock()
+
+    @property
+    def checking(self) -> bool:
+        return self.note is None
+
+    def guarded(self, check, *args) -> None:
+        """Run a check; the first failure ends all checks (the report keeps what was found)."""
+        if not self.checking:
+            return
+        try:
+            check(*args)
+        except Exception as error:  # noqa: BLE001 - a check must never break the user's step
+            self.note = f"the checks stopped early ({type(error).__name__}: {_first_line(error)})"
+
+    def saw_forward(self, where: dict, values) -> bool:
+        """Record `where` if it is the first non-finite forward value; True when `values` are non-finite."""
+        kind, dtype = _non_finite(values)
+        if kind is None:
+            return False
+        with self._lock:
+            if self.forward is None:
+                self.forward = {**where, "value": kind, "dtype": dtype}
+        return True
+
+    def watch_gradients(self, where: dict, values) -> None:
+        """Hook the gradients of `values`' tensors that require grad: the first non-finite one is recorded."""
+        for tensor in _float_tensors(values):
+            if tensor.requires_grad:
+                self.handles.append(tensor.register_hook(lambda grad: self.guarded(self._saw_gradient, where, grad)))
+
+    def _saw_gradient(self, where: dict, grad) -> None:
+        if self.backward is not None:
+            return
+        kind, dtype = _non_finite(grad)
+        if kind is not None:
+            with self._lock:
+                if self.backward is None:
+                    self.backward = {**where, "value": kind, "dtype": dtype}
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def _float_tensors(values) -> list:
+    leaves, _ = tree_flatten(values)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided
+            and t.device.type != "meta"]
+
+
+def _non_finite(values) -> tuple:
+    """("nan" | "inf", dtype name) of the first non-finite tensor among values, else (None, None)."""
+    with torch.no_grad():
+        for tensor in _float_tensors(values):
+            if not bool(torch.isfinite(tensor).all()):
+                kind = "nan" if bool(torch.isnan(tensor).any()) else "inf"
+                return kind, str(tensor.dtype).removeprefix("torch.")
+    return None, None
+
+
+def _only_negative_inf(values) -> bool:
+    """Every non-finite entry is -inf: an additive attention mask rather than an overflow, at a module's input."""
+    with torch.no_grad():
+        return all(bool((torch.isfinite(t) | (t == -math.inf)).all()) for t in _float_tensors(values))
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    with torch.no_grad():
+        return bool(torch.isfinite(tensor).all())
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).splitlines() or [""])[0][:200]
+
+
+# --- graphs: node by node -----------------------------------------------------------------------------
+class _CheckingInterpreter(fx.Interpreter):
+    """Runs a converted graph node by node, checking each value and hooking its gradient.
+
+    A node whose infinity is intended is not an overflow: a constant +-inf written into finite inputs
+    (masked_fill(mask, -inf), full(-inf)) and what only such values reach while staying free of nan."""
+
+    def __init__(self, gm: fx.GraphModule, finder: _Finder, part: str | None):
+        super().__init__(gm)
+        self.finder, self.part = finder, part
+        self.non_finite: dict = {}      # node -> "intended" | "overflow", for the nodes seen non-finite
+
+    def run_node(self, node: fx.Node):
+        result = super().run_node(node)
+        if node.op not in ("placeholder", "get_attr", "output"):
+            self.finder.guarded(self._check, node, result)
+        return result
+
+    def _check(self, node: fx.Node, result) -> None:
+        where = _node_place(node, self.part)
+        kind, _ = _non_finite(result)
+        if kind is not None:
+            intended = self._intended(node, kind)
+            self.non_finite[node] = "intended" if intended else "overflow"
+            if not intended:
+                self.finder.saw_forward(where, result)
+        if not _is_parameter_cast(node):   # a parameter's gradient is reported under `parameters`
+            self.finder.watch_gradients(where, result)
+
+    def _intended(self, node: fx.Node, kind: str) -> bool:
+        inputs = [self.non_finite[n] for n in node.all_input_nodes if n in self.non_finite]
+        if not inputs:
+            return _has_infinite_constant(node)
+        return kind == "inf" and all(state == "intended" for state in inputs)
+
+
+def _is_parameter_cast(node: fx.Node) -> bool:
+    return facts(node).get("op") == "cast" and all(n.op == "get_attr" for n in node.all_input_nodes)
+
+
+def _has_infinite_constant(node: fx.Node) -> bool:
+    leaves, _ = tree_flatten((node.args, node.kwargs))
+    return any(isinstance(value, float) and math.isinf(value) for value in leaves)
+
+
+def _node_place(node: fx.Node, part: str | None) -> dict:
+    module = module_of(node)
+    if part is not None:   # a part's graph calls the part's module "inner"
+        module = _join(part, module.removeprefix("inner").lstrip("."))
+    return {"part": part, "module": module, "node": node.name, "op": facts(node).get("op") or str(node.target),
+            "found": "node output"}
+
+
+def _join(path: str, child: str) -> str:
+    return f"{path}.{child}" if path and child else path or child
+
+
+def _checking_forward(gm: fx.GraphModule, finder: _Finder, part: str | None, compiled):
+    signature = inspect.signature(compiled)
+
+    def forward(*args, **kwargs):
+        if not finder.checking:
+            return compiled(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return _CheckingInterpreter(gm, finder, part).run(*bound.args)
+        except Exception as error:  # noqa: BLE001 - the compiled graph decides whether the call itself fails
+            finder.note = finder.note or (f"the checks stopped early (graph of {part or MODEL!r} did not run node "
+                                          f"by node: {type(error).__name__}: {_first_line(error)})")
+        return compiled(*args, **kwargs)
+    return forward
+
+
+# --- modules run as written: inputs and outputs -------------------------------------------------------
+class _ModuleChecks:
+    """Forward hooks on every module: a module's non-finite output (or an input already non-finite when it
+    arrives: the enclosing module's own code, or the batch itself, made it) when no node has been named."""
+
+    def __init__(self, model: nn.Module, finder: _Finder, parts: dict):
+        self.finder, self.parts = finder, parts
+        self.running: list = []        # paths of the modules whose forward is under way, innermost last
+        self.modules = dict(model.named_modules())
+
+    def install(self, stack: ExitStack) -> None:
+        for path, module in self.modules.items():
+            stack.callback(module.register_forward_pre_hook(self._before(path, module), with_kwargs=True).remove)
+            stack.callback(module.register_forward_hook(self._after(path, module), always_call=True).remove)
+
+    def _before(self, path: str, module: nn.Module):
+        def hook(_module, args, kwargs):
+            self.finder.guarded(self._check_inputs, path, module, args, kwargs)
+            self.running.append(path)
+        return hook
+
+    def _after(self, path: str, module: nn.Module):
+        def hook(_module, _args, output):
+            if self.running and self.running[-1] == path:
+                self.running.pop()
+            self.finder.guarded(self._check_output, path, module, output)
+        return hook
+
+    def _check_inputs(self, path: str, module: nn.Module, args, kwargs) -> None:
+        if self.finder.forward is not None:
+            return
+        if not self.running:        # the model's own inputs: the batch was non-finite already
+            self.finder.saw_forward(self._place(path, module, "model input"), (args, kwargs))
+            return
+        first, rest = (args[:1], (args[1:], kwargs)) if args else ((), (args, kwargs))
+        suspects = [first] + ([] if _only_negative_inf(rest) else [rest])   # a -inf mask argument is no overflow
+        parent = self.running[-1]
+        where = self._place(parent, self.modules[parent], f"own code, before calling '{path or MODEL}'")
+        for values in suspects:
+            if self.finder.saw_forward(where, values):
+                return
+
+    def _check_output(self, path: str, module: nn.Module, output) -> None:
+        where = self._place(path, module, "module output")
+        self.finder.saw_forward(where, output)
+        self.finder.watch_gradients(where, output)
+
+    def _place(self, path: str, module: nn.Module, found: str) -> dict:
+        return {"part": self._part_of(path), "module": path, "node": None, "op": type(module).__name__,
+                "found": found}
+
+    def _part_of(self, path: str) -> str | None:
+        """The innermost part of an in-place conversion holding `path`; None for other models."""
+        within = [p for p in self.parts if p == "" or path == p or path.startswith(p + ".")]
+        return max(within, key=len) if within else None
+
+
+# --- installing and undoing ---------------------------------------------------------------------------
+class _checks_installed:
+    """Checking forwards on the model's graphs and hooks on its modules, for the replay only."""
+
+    def __init__(self, model: nn.Module, finder: _Finder):
+        self.model, self.finder = model, finder
+
+    def __enter__(self):
+        self.stack = ExitStack()
+        try:
+            parts = _parts(self.model)
+            for gm, part in _graphs(self.model, parts):
+                self._swap_forward(gm, part)
+            _ModuleChecks(self.model, self.finder, parts).install(self.stack)
+        except BaseException:
+            self.stack.close()
+            raise
+        return self
+
+    def _swap_forward(self, gm: fx.GraphModule, part: str | None) -> None:
+        had = "forward" in gm.__dict__
+        own = gm.__dict__.get("forward")
+        gm.__dict__["forward"] = _checking_forward(gm, self.finder, part, gm.forward)
+
+        def put_back():
+            if had:
+                gm.__dict__["forward"] = own
+            else:
+                gm.__dict__.pop("forward", None)
+        self.stack.callback(put_back)
+
+    def __exit__(self, *exc):
+        try:
+            self.stack.close()
+        finally:
+            self.finder.remove_hooks()
+        return False
+
+
+def _parts(model: nn.Module) -> dict:
+    conversion = model.__dict__.get("_amp_in_place")
+    return dict(conversion.parts) if conversion is not None else {}
+
+
+def _graphs(model: nn.Module, parts: dict) -> list:
+    """(GraphModule, part path or None): an in-place conversion's graphs, and GraphModules in the tree."""
+    found = [(graph.gm, path) for path, part in parts.items()
+             for graphs in part.graphs.values() for graph in graphs]
+    seen = {id(gm) for gm, _ in found}
+    found += [(module, None) for module in model.modules()
+              if isinstance(module, fx.GraphModule) and id(module) not in seen]
+    return found
+
+
+class _grads_kept:
+    """The replay's gradients start from None and the parameters' own .grad is back afterwards."""
+
+    def __init__(self, named_parameters: list):
+        self.parameters = [p for _, p in named_parameters]
+
+    def __enter__(self):
+        self.saved = [p.grad for p in self.parameters]
+        for p in self.parameters:
+            p.grad = None
+        return self
+
+    def __exit__(self, *exc):
+        for p, grad in zip(self.parameters, self.saved):
+            p.grad = grad
+        return False
+
+
+def _precision_of(model: nn.Module) -> str:
+    conversion = model.__dict__.get("_amp_in_place")
+    if conversion is not None:
+        name = str(conversion.config.low_dtype).removeprefix("torch.")
+    else:
+        name = next((str(m.meta.get("amp", {}).get("dtype")) for m in model.modules()
+                     if isinstance(m, fx.GraphModule) and "amp" in m.meta), "mixed-precision")
+    return SHORT_DTYPES.get(name, name)
