@@ -1,0 +1,178 @@
+"""Hugging Face Accelerate with amp-compiler's graphs instead of Accelerate's autocast: a recipe.
+
+    accelerator = Accelerator(mixed_precision="no")                 # no autocast underneath: the graphs cast
+    model, optimizer, loader = amp_compiler.accelerate.prepare(     # instead of accelerator.prepare(...)
+        accelerator, model, optimizer, loader, level="O1", dtype=torch.float16)
+    ...
+    accelerator.backward(loss)          # fp16: scales the loss with amp_compiler's scaler
+    accelerator.clip_grad_norm_(...)    # unscales first, as Accelerate's own fp16 does
+    optimizer.step()                    # unscales, skips on inf/nan (optimizer.step_was_skipped), updates the scale
+
+Accelerate has no hook for a third-party model transformation, so the recipe works around `prepare`: it
+converts the model IN PLACE (`amp_compiler.convert(model, level, inplace=True, dtype=...)`: same object, class,
+forward signature and state_dict, so Accelerate's saving, unwrapping and DDP wrapping see the user's model),
+then calls `accelerator.prepare`. For fp16 it installs the scaler (`amp_compiler.GradScaler()` unless one is
+given) as `accelerator.scaler` BEFORE the optimizer is prepared, which is where Accelerate's own fp16 keeps its
+torch GradScaler:
+
+- `accelerator.backward(loss)` calls `scaler.scale(loss).backward()`;
+- the prepared optimizer's `step()` calls `scaler.step(optimizer)` and `scaler.update()` and says the step was
+  skipped (`optimizer.step_was_skipped`, `accelerator.optimizer_step_was_skipped`) when the optimizer's own
+  step was not called, which is exactly what amp_compiler's scaler does on inf/nan gradients;
+- `accelerator.save_state` / `load_state` write and read `accelerator.scaler`'s state_dict (scaler.pt).
+  The scaler is therefore NOT also passed to `register_for_checkpointing`: that would save it twice.
+
+One thing Accelerate does only for its own fp16 is patched on the accelerator instance: `unscale_gradients`
+(called by `clip_grad_norm_` / `clip_grad_value_`) unscales only when `mixed_precision="fp16"`; here it unscales
+with the installed scaler, so clipping sees the true gradients. `backward` is wrapped to remember the scale it
+used, for `explain_overflow`.
+
+When a step was skipped, `explain_overflow(accelerator, model, compute_loss)` replays the step's forward and
+backward (`compute_loss()` recomputes the loss of that batch) with the scale the step used, node by node, and
+says which node went inf/nan first (`amp_compiler.train.overflow_report`); the report is logged and recorded on
+the scaler. The replay runs under a forked RNG (training's random stream is untouched; dropout draws new masks).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import amp_compiler
+from amp_compiler.in_place.conversion import in_place_conversion
+from amp_compiler.train.loss_scale import LossScaleManager
+
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+log = logging.getLogger("amp_compiler.accelerate")
+
+
+def prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, *others: Any, level: str = "O1",
+            dtype: torch.dtype = torch.bfloat16, scaler: LossScaleManager | None = None, **convert_options: Any):
+    """Convert `model` in place, install the fp16 scaler, then `accelerator.prepare(model, optimizer, *others)`.
+
+    Returns what `accelerator.prepare` returns (the prepared objects, in order). `convert_options` go to
+    `amp_compiler.convert` (e.g. force_fp32=[...]); `scaler` (fp16 only) defaults to `amp_compiler.GradScaler()`.
+    """
+    refuse_builtin_mixed_precision(accelerator.mixed_precision, "Accelerator(mixed_precision=\"no\")")
+    scaler = checked_scaler(scaler, dtype)
+    _refuse_prepared_optimizer(optimizer)
+    convert_once(model, level, dtype, convert_options)
+    if scaler is not None:
+        install_scaler(accelerator, scaler)
+    return accelerator.prepare(model, optimizer, *others)
+
+
+# -- what the Trainer integration shares ---------------------------------------------------------------------
+def refuse_builtin_mixed_precision(mixed_precision: str, fix: str) -> None:
+    """Accelerate's own mixed precision would run autocast (bf16) or a torch GradScaler (fp16) on top of the
+    converted graphs: two mixed precisions, the outer one undoing the inner one's fp32 choices."""
+    if str(mixed_precision) != "no":
+        raise ValueError(f"Accelerate's mixed_precision is {str(mixed_precision)!r}: amp_compiler converts the "
+                         f"model itself, and Accelerate's autocast/GradScaler would run on top of it; use {fix} "
+                         "and choose the precision with dtype=")
+
+
+def checked_scaler(scaler: LossScaleManager | None, dtype: torch.dtype) -> LossScaleManager | None:
+    """The scaler fp16 trains with (amp_compiler.GradScaler() by default); None for bf16."""
+    if dtype not in LOW_DTYPES:
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype!r}")
+    if dtype == torch.bfloat16:
+        if scaler is not None:
+            raise ValueError(f"dtype=torch.bfloat16 trains without loss scaling (bf16 has fp32's range), but "
+                             f"scaler={scaler!r} was given: drop it, or use dtype=torch.float16")
+        return None
+    if scaler is None:
+        return amp_compiler.GradScaler()
+    if not isinstance(scaler, LossScaleManager):
+        raise TypeError(f"scaler must be an amp_compiler.GradScaler or LossScaleManager (it refuses fp16 gradients "
+                        f"and reports skipped steps), got {type(scaler).__name__}")
+    return scaler
+
+
+def convert_once(model: nn.Module, level: str, dtype: torch.dtype, convert_options: dict) -> None:
+    """Convert in place, unless the model already is (a second prepare or Trainer keeps its conversion)."""
+    if in_place_conversion(model) is None:
+        amp_compiler.convert(model, level, inplace=True, dtype=dtype, **convert_options)
+
+
+def install_scaler(accelerator, scaler: LossScaleManager) -> None:
+    """Make `scaler` the accelerator's loss scaler: backward scales, prepared optimizers step through it,
+    clipping unscales with it, save_state/load_state keep its state."""
+    if accelerator._optimizers:
+        raise RuntimeError("install the scaler before the optimizer is prepared: a prepared optimizer keeps the "
+                           "scaler it was prepared with (None here), so its step() would neither unscale nor skip")
+    accelerator.scaler = scaler
+    accelerator.unscale_gradients = _unscaling_with(accelerator, scaler)
+    accelerator.backward = _backward_remembering_scale(accelerator, scaler)
+    accelerator._amp_scale_used = scaler.get_scale()
+
+
+def _unscaling_with(accelerator, scaler: LossScaleManager) -> Callable:
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    def unscale_gradients(optimizer=None):
+        """Accelerate's unscale_gradients with amp_compiler's scaler (Accelerate's runs only for its own fp16)."""
+        optimizers = accelerator._optimizers if optimizer is None else \
+            optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+        for opt in optimizers:
+            while isinstance(opt, AcceleratedOptimizer):
+                opt = opt.optimizer
+            scaler.unscale_(opt)
+    return unscale_gradients
+
+
+def _backward_remembering_scale(accelerator, scaler: LossScaleManager) -> Callable:
+    backward = accelerator.backward   # the bound method of the accelerator's class
+
+    def remembering_backward(loss, **kwargs):
+        accelerator._amp_scale_used = scaler.get_scale()   # the step's scale, before update() moves it
+        return backward(loss, **kwargs)
+    return remembering_backward
+
+
+def _refuse_prepared_optimizer(optimizer) -> None:
+    from accelerate.optimizer import AcceleratedOptimizer
+    if isinstance(optimizer, AcceleratedOptimizer):
+        raise ValueError("the optimizer was already passed to accelerator.prepare(): pass the plain optimizer to "
+                         "amp_compiler.accelerate.prepare instead, which prepares it after installing the scaler")
+
+
+# -- where a skipped step overflowed --------------------------------------------------------------------------
+def explain_overflow(accelerator, model: nn.Module, compute_loss: Callable[[], torch.Tensor]):
+    """Replay a skipped fp16 step and say where it went inf/nan: an OverflowReport (logged, and recorded on the
+    scaler), or None when the replay stayed finite or the overflow report is not available.
+
+    `compute_loss()` recomputes the skipped step's loss on the same batch (e.g. `lambda: model(**batch).loss`);
+    its backward is run here with the scale that step used. Call it after `optimizer.step()` when
+    `optimizer.step_was_skipped` is True."""
+    scaler = accelerator.scaler
+    if not isinstance(scaler, LossScaleManager):
+        raise ValueError("explain_overflow needs the fp16 scaler that amp_compiler.accelerate.prepare installs "
+                         f"(accelerator.scaler is {type(scaler).__name__})")
+    scale = accelerator._amp_scale_used / accelerator.gradient_accumulation_steps
+
+    def replay():
+        (compute_loss().float() * scale).backward()
+    with torch.random.fork_rng(devices=[]):
+        return locate_and_record(accelerator.unwrap_model(model), replay, scaler)
+
+
+def locate_and_record(model: nn.Module, replay: Callable[[], Any], scaler: LossScaleManager):
+    """locate_overflow(model, replay); the report is logged once here and recorded on the scaler."""
+    try:
+        from amp_compiler.train.overflow_report import locate_overflow
+    except ImportError:   # OVERFLOW REPORT CALL SITE: amp_compiler/train/overflow_report.py not installed
+        log.warning("amp_compiler: fp16 step skipped (inf/nan gradients); where it overflowed is not located "
+                    "(amp_compiler.train.overflow_report is not installed)")
+        return None
+    report = locate_overflow(model, replay)
+    if report is None:
+        log.warning("amp_compiler: fp16 step skipped, but its replay stayed finite (the overflow depends on "
+                    "state the replay does not restore, e.g. dropout masks)")
+        return None
+    if hasattr(scaler, "record_overflow"):
+        scaler.record_overflow(report)
+    log.warning(f"amp_compiler: fp16 step skipped (loss scale {scaler.get_scale():g} after backing off): {report}")
+    return report

@@ -1,0 +1,154 @@
+"""The Hugging Face Trainer with amp-compiler's graphs instead of its autocast: `AmpTrainer`, a Trainer subclass.
+
+    trainer = AmpTrainer(model=model, args=TrainingArguments(..., bf16=False, fp16=False),   # instead of Trainer
+                         train_dataset=..., amp_level="O1", amp_dtype=torch.float16)
+    trainer.train()
+
+Everything else is the Trainer's: gradient accumulation, clipping, evaluation, save_model, checkpoints and
+resume_from_checkpoint. `class MyTrainer(AmpTrainerMixin, SFTTrainer)` does the same for a Trainer subclass.
+
+- The model is converted IN PLACE (`amp_compiler.convert(model, amp_level, inplace=True, dtype=amp_dtype)`), so
+  it keeps its class, `forward` signature (the Trainer reads `inspect.signature(model.forward)` to keep the
+  dataset's columns), parameters and state_dict: `save_model` writes what a plain `from_pretrained` loads.
+  A `model_init` model is converted when the Trainer builds it.
+- There is no autocast underneath: TrainingArguments must keep `bf16=False, fp16=False` (the default). Either
+  flag would make Accelerate run its autocast or torch GradScaler on top of the converted graphs, so it is refused
+  with a ValueError that says to pass `amp_dtype=` instead.
+- fp16 trains with amp_compiler's scaler (`amp_compiler.GradScaler()` unless `amp_scaler=` gives one), installed
+  as the Trainer's `accelerator.scaler` (amp_compiler/accelerate.py): `accelerator.backward` scales the loss,
+  `clip_grad_norm_` unscales first, the prepared optimizer's step skips inf/nan gradients, the Trainer then leaves
+  the learning-rate schedule where it was (`optimizer_step_was_skipped`), and the Trainer's own checkpointing saves
+  the scaler's state_dict as `scaler.pt` in each checkpoint and loads it on resume.
+- A skipped fp16 step is logged with the running count; the first one is replayed (the last micro-batch of the
+  accumulation window, from the RNG state it started with, with the scale the step used) through
+  `amp_compiler.train.overflow_report.locate_overflow`, which names the node that went inf/nan first; the report
+  is logged and recorded on the scaler (`trainer.amp_overflow_report`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from amp_compiler.accelerate import (checked_scaler, convert_once, install_scaler, locate_and_record,
+                                     refuse_builtin_mixed_precision)
+from amp_compiler.train.loss_scale import LossScaleManager
+
+log = logging.getLogger("transformers.amp_compiler")
+
+
+class AmpTrainerMixin:
+    """Put before a Trainer class: `class MyTrainer(AmpTrainerMixin, Trainer)`; see the module docstring.
+
+    amp_level, amp_dtype and amp_options (a dict) go to `amp_compiler.convert`; amp_scaler (fp16 only) defaults
+    to `amp_compiler.GradScaler()`."""
+
+    def __init__(self, model=None, args=None, *trainer_args: Any, amp_level: str = "O1",
+                 amp_dtype: torch.dtype = torch.bfloat16, amp_scaler: LossScaleManager | None = None,
+                 amp_options: dict | None = None, **trainer_kwargs: Any) -> None:
+        if args is not None:
+            _refuse_trainer_mixed_precision(args)
+        self.amp_level, self.amp_dtype, self.amp_options = amp_level, amp_dtype, dict(amp_options or {})
+        self.amp_scaler = checked_scaler(amp_scaler, amp_dtype)
+        self.amp_skipped_steps = 0
+        self.amp_overflow_report = None
+        self._amp_last_micro_batch = None   # what the first skipped step replays
+        if model is not None:
+            convert_once(model, amp_level, amp_dtype, self.amp_options)
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if self.amp_scaler is not None:
+            self.add_callback(_SkippedStepWatch(self))
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()   # also called again by auto_find_batch_size
+        refuse_builtin_mixed_precision(self.accelerator.mixed_precision,
+                                       "TrainingArguments(bf16=False, fp16=False) with AmpTrainer")
+        if self.amp_scaler is not None:
+            install_scaler(self.accelerator, self.amp_scaler)
+
+    def call_model_init(self, trial=None):
+        model = super().call_model_init(trial)
+        convert_once(model, self.amp_level, self.amp_dtype, self.amp_options)
+        return model
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.amp_scaler is not None and self.amp_skipped_steps == 0:
+            self._amp_last_micro_batch = (model, inputs, num_items_in_batch, _rng_state(), self.amp_scaler.get_scale())
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def amp_step_skipped(self) -> None:
+        """Log a skipped fp16 step; replay the first one to say where it overflowed."""
+        self.amp_skipped_steps += 1
+        if self.amp_skipped_steps > 1 or self._amp_last_micro_batch is None:
+            log.warning(f"amp_compiler: inf/nan gradients, optimizer step skipped ({self.amp_skipped_steps} skipped "
+                        f"so far, loss scale now {self.amp_scaler.get_scale():g})")
+            return
+        model, inputs, num_items_in_batch, rng, scale = self._amp_last_micro_batch
+        self._amp_last_micro_batch = None
+
+        def replay():   # the Trainer's own training_step, scaled as the skipped step was
+            with _rng_restored(rng), _scaled_by(self.accelerator, scale):
+                super(AmpTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
+        self.amp_overflow_report = locate_and_record(self.accelerator.unwrap_model(model), replay, self.amp_scaler)
+
+
+class AmpTrainer(AmpTrainerMixin, Trainer):
+    """`transformers.Trainer` training amp_compiler's converted model: see the module docstring."""
+
+
+class _SkippedStepWatch(TrainerCallback):
+    """Right after the optimizer step: was it skipped (inf/nan gradients)?"""
+
+    def __init__(self, trainer: AmpTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.trainer.accelerator.optimizer_step_was_skipped:
+            self.trainer.amp_step_skipped()
+
+
+def _refuse_trainer_mixed_precision(args) -> None:
+    for flag in ("bf16", "fp16"):
+        if getattr(args, flag, False):
+            raise ValueError(f"TrainingArguments({flag}=True) turns on Accelerate's autocast/GradScaler, which would "
+                             f"run on top of amp_compiler's converted graphs: set {flag}=False and choose the "
+                             f"precision with AmpTrainer(amp_dtype=torch.{'bfloat16' if flag == 'bf16' else 'float16'})")
+
+
+class _FixedScale:
+    """What accelerator.backward needs of a scaler, at one fixed scale and with no state: for the replay."""
+
+    def __init__(self, scale: float) -> None:
+        self.value = scale
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss.float() * self.value
+
+
+@contextlib.contextmanager
+def _scaled_by(accelerator, scale: float):
+    scaler = accelerator.scaler
+    accelerator.scaler = _FixedScale(scale)
+    try:
+        yield
+    finally:
+        accelerator.scaler = scaler
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _rng_restored(state: tuple):
+    """Dropout draws the masks the skipped step drew; training's RNG stream continues as if nothing ran."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=range(len(cuda)) if cuda is not None else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        yield
