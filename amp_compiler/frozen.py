@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.passes.fx.freeze_weight_casts import freeze_weight_casts
 from amp_compiler.passes.fx.runtime import amp_cast
 
@@ -137,6 +138,10 @@ def freeze(model: nn.Module, *, sample_values: bool = True) -> nn.Module:
     writes to, e.g. latency-bound GPU inference."""
     if not isinstance(sample_values, bool):
         raise TypeError(f"sample_values must be True or False, got {sample_values!r}")
+    conversion = in_place_conversion(model)
+    if conversion is not None:   # convert(model, inplace=True): its parts' graphs, those captured later too
+        conversion.freeze_graphs(sample_values)
+        return model
     graphs = _converted_graphs(model)
     if not graphs and not any(hasattr(m, HOLDER) for m in model.modules()):
         raise TypeError(f"freeze() takes what amp_compiler.convert() returned; {type(model).__name__} holds no "
@@ -152,4 +157,6 @@ def freeze(model: nn.Module, *, sample_values: bool = True) -> nn.Module:
 
 def frozen_bytes(model: nn.Module) -> int:
     """Bytes the low-precision weight copies of `model`'s frozen graphs hold now."""
-    return sum(m.nbytes() for m in model.modules() if isinstance(m, FrozenWeights))
+    conversion = in_place_conversion(model)
+    graphs = conversion.graph_modules() if conversion is not None else []   # outside the model's module tree
+    return sum(m.nbytes() for root in (model, *graphs) for m in root.modules() if isinstance(m, FrozenWeights))

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.insight.graph_decisions import graph_summary, is_cast, module_of
 from amp_compiler.passes.fx.runtime import amp_frozen_cast, amp_frozen_module_call, amp_module_call
 from amp_compiler.passes.node_facts import facts
@@ -117,6 +118,9 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None 
     """Run `model` in fp32 and `gm` (its conversion) on `inputs`; the error of every node, worst first,
     the first node past `rtol` (relative to the node's value scale; default 1e-2 fp16, 5e-2 bf16) and
     the chain of nodes that leads to it."""
+    if in_place_conversion(gm) is not None:   # convert(model, inplace=True): each part graph's nodes
+        from amp_compiler.in_place.report import compare_in_place
+        return compare_in_place(model, gm, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), rtol)
     if not isinstance(gm, fx.GraphModule):
         raise ValueError("compare() takes the GraphModule convert() returned; for a model run as written "
                          "(its children converted), compare each child with the inputs it receives")

@@ -11,8 +11,11 @@ reads it). Rule and module texts repeat across a large graph, so nodes refer to 
 """
 from __future__ import annotations
 
+import functools
+
 import torch.fx as fx
 
+from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.insight.graph_decisions import computed_dtype, fp32_islands, graph_summary, module_of, precision_of
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.policy.numerics import dtype_name
@@ -31,19 +34,26 @@ def fx_view(module, title: str | None = None) -> dict:
     """The view of a module returned by convert() (a model run as written: each converted child)."""
     from amp_compiler.insight.report import explain
     report = explain(module)
-    summary = graph_summary(module)
+    summary = report.summary   # a model converted in place has no summary of its own
     rules, modules = Interned(), Interned()
     view = {"title": title or type(module).__name__.removesuffix("Amp"), "summary": report.summary_lines(),
             "subtitle": f"{summary['level']} {summary['dtype']}", "nodes": [], "islands": []}
     graphs = [(name, module.get_submodule(name)) for name in summary["children"]] \
         if "children" in summary else [("", module)]
-    for prefix, gm in graphs:
-        _add_graph(view, gm, graph_summary(gm)["dtype"], prefix, rules, modules)
+    renames = [None] * len(graphs)   # a graph's module and parameter paths -> the user's
+    if summary.get("in_place"):   # each part's latest graph, its "inner.x" modules renamed <part>.x
+        from amp_compiler.in_place.report import shown_graphs, user_path
+        shown = shown_graphs(in_place_conversion(module))
+        graphs = [(part.path, graph.gm) for part, graph in shown]
+        renames = [functools.partial(user_path, part.path) for part, _ in shown]
+    for (prefix, gm), rename in zip(graphs, renames):
+        _add_graph(view, gm, graph_summary(gm)["dtype"], prefix, rules, modules, rename)
     view["rules"], view["modules"] = list(rules), list(modules)
     return view
 
 
-def _add_graph(view: dict, gm: fx.GraphModule, low: str, prefix: str, rules: Interned, modules: Interned):
+def _add_graph(view: dict, gm: fx.GraphModule, low: str, prefix: str, rules: Interned, modules: Interned,
+               rename=None):
     index: dict[fx.Node, int] = {}
     island_of = {}
     for island in fp32_islands(gm):
@@ -57,7 +67,7 @@ def _add_graph(view: dict, gm: fx.GraphModule, low: str, prefix: str, rules: Int
         precision = precision_of(node)
         kind = "io" if node.op in IO_OPS else "cast" if precision == "cast" else \
             "opaque" if amp.get("family") == "opaque" else "op"
-        module = ".".join(p for p in (prefix, module_of(node)) if p)
+        module = rename(module_of(node)) if rename else ".".join(p for p in (prefix, module_of(node)) if p)
         index[node] = len(view["nodes"])
         view["nodes"].append({
             "name": node.name, "op": "input" if node.op == "placeholder" else node.op if kind == "io" else
@@ -65,5 +75,6 @@ def _add_graph(view: dict, gm: fx.GraphModule, low: str, prefix: str, rules: Int
             "dtype": computed_dtype(node, low) if kind != "io" else dtype_name(amp.get("dtype")),
             "module": modules.index(module), "rule": rules.index(amp.get("rule", "")),
             "inputs": [index[source] for source in node.all_input_nodes if source in index],
-            "reads": [str(source.target) for source in node.all_input_nodes if source.op == "get_attr"],
+            "reads": [rename(str(source.target)) if rename else str(source.target)
+                      for source in node.all_input_nodes if source.op == "get_attr"],
             "island": island_of.get(node.name, -1)})

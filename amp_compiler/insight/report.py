@@ -28,7 +28,8 @@ from amp_compiler.insight.graph_decisions import (computed_dtype, fp32_islands, 
 from amp_compiler.frontend.hooks import hook_lines
 from amp_compiler.frontend.training_reads import training_lines
 from amp_compiler.insight.report_diff import PrecisionDiff, diff_reports
-from amp_compiler.insight.report_text import WIDTH, module_table, summarise_paths, wrapped
+from amp_compiler.insight.report_text import WIDTH, module_table, parts_lines, summarise_paths, wrapped
+from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.passes.node_facts import facts
 
 PRECISIONS = ("low", "fp32", "cast", "untouched")
@@ -53,6 +54,7 @@ class PrecisionReport:
         lines = [f"amp-compiler report: level {s.get('level')} (asked {s.get('requested_level')}), "
                  f"{s.get('dtype')}, front end {s.get('frontend')}{_devices(s)}"]
         lines.append(f"nodes: {self.counts()}")
+        lines += parts_lines(s.get("parts", {}))
         for warning in self.warnings:
             lines += wrapped("WARNING", [warning])
         lines += calibration_lines(s.get("pass_counts", {}).get("calibrate_ranges"), t.get("range_kept", []))
@@ -102,8 +104,10 @@ def explain(gm, other=None, *, only: str | None = None, module: str | None = Non
     ("encoder.*" also matches "encoder" itself). With a second module, diff(gm, other)."""
     if other is not None:
         return diff(gm, other)
-    summary = graph_summary(gm)
-    if "children" in summary:
+    if in_place_conversion(gm) is not None:   # convert(model, inplace=True): its parts' graphs, merged
+        from amp_compiler.in_place.report import explain_in_place
+        report = explain_in_place(gm)
+    elif "children" in (summary := graph_summary(gm)):
         report = _explain_children(gm)
     else:
         report = _explain_graph(gm, summary)

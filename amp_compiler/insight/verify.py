@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.insight.compare import describe_inputs, first_line
 from amp_compiler.passes.fx.infer_dtypes import value_dtype
 from amp_compiler.passes.policy.numerics import dtype_name
@@ -37,6 +38,10 @@ class _Checker(fx.Interpreter):
 
 def verify(gm: fx.GraphModule, *inputs, **kwargs) -> None:
     """Run `gm` on `inputs` and raise DtypeMismatch at the first node whose dtype is not the recorded one."""
+    if in_place_conversion(gm) is not None:   # convert(model, inplace=True): each part graph on what it receives
+        from amp_compiler.in_place.report import verify_in_place
+        verify_in_place(gm, inputs, kwargs)
+        return
     if "amp" not in getattr(gm, "meta", {}):
         raise ValueError("verify() needs a GraphModule returned by amp_compiler.convert()")
     if "children" in gm.meta["amp"]:   # the model's own forward runs as written: check each converted child
