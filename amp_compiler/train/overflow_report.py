@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -137,10 +137,13 @@ class _Finder:
         kind, dtype = _non_finite(values)
         if kind is None:
             return False
+        self.record_forward(where, kind, dtype)
+        return True
+
+    def record_forward(self, where: dict, kind: str, dtype: str) -> None:
         with self._lock:
             if self.forward is None:
                 self.forward = {**where, "value": kind, "dtype": dtype}
-        return True
 
     def watch_gradients(self, where: dict, values) -> None:
         """Hook the gradients of `values`' tensors that require grad: the first non-finite one is recorded."""
@@ -214,12 +217,12 @@ class _CheckingInterpreter(fx.Interpreter):
 
     def _check(self, node: fx.Node, result) -> None:
         where = _node_place(node, self.part)
-        kind, _ = _non_finite(result)
+        kind, dtype = _non_finite(result)
         if kind is not None:
             intended = self._intended(node, kind)
             self.non_finite[node] = "intended" if intended else "overflow"
             if not intended:
-                self.finder.saw_forward(where, result)
+                self.finder.record_forward(where, kind, dtype)
         if not _is_parameter_cast(node):   # a parameter's gradient is reported under `parameters`
             self.finder.watch_gradients(where, result)
 
@@ -277,11 +280,27 @@ class _ModuleChecks:
         self.finder, self.parts = finder, parts
         self.running: list = []        # paths of the modules whose forward is under way, innermost last
         self.modules = dict(model.named_modules())
+        self.handles: list = []
 
-    def install(self, stack: ExitStack) -> None:
+    def install(self) -> None:
         for path, module in self.modules.items():
-            stack.callback(module.register_forward_pre_hook(self._before(path, module), with_kwargs=True).remove)
-            stack.callback(module.register_forward_hook(self._after(path, module), always_call=True).remove)
+            self.handles += [module.register_forward_pre_hook(self._before(path, module), with_kwargs=True),
+                             module.register_forward_hook(self._after(path, module), always_call=True)]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    @contextmanager
+    def suspended(self):
+        """Without these hooks: a capture during the replay must compile the graph it would without them
+        (a hooked module stays a module call in the graph)."""
+        self.remove()
+        try:
+            yield
+        finally:
+            self.install()
 
     def _before(self, path: str, module: nn.Module):
         def hook(_module, args, kwargs):
@@ -338,11 +357,29 @@ class _checks_installed:
             parts = _parts(self.model)
             for gm, part in _graphs(self.model, parts):
                 self._swap_forward(gm, part)
-            _ModuleChecks(self.model, self.finder, parts).install(self.stack)
+            self.module_checks = _ModuleChecks(self.model, self.finder, parts)
+            self.stack.callback(self.module_checks.remove)
+            self.module_checks.install()
+            conversion = self.model.__dict__.get("_amp_in_place")
+            if conversion is not None:
+                self._check_new_captures(conversion)
         except BaseException:
             self.stack.close()
             raise
         return self
+
+    def _check_new_captures(self, conversion) -> None:
+        """A part capturing during the replay (its first call like this one) compiles without the module
+        hooks, and its new graph is checked node by node like the others."""
+        capture = conversion.capture
+
+        def capture_and_check(part, *args):
+            with self.module_checks.suspended():
+                graph = capture(part, *args)
+            self._swap_forward(graph.gm, part.path)
+            return graph
+        conversion.capture = capture_and_check
+        self.stack.callback(lambda: conversion.__dict__.pop("capture", None))
 
     def _swap_forward(self, gm: fx.GraphModule, part: str | None) -> None:
         had = "forward" in gm.__dict__

@@ -1,0 +1,370 @@
+"""locate_overflow(model, replay): the first node whose value or gradient went non-finite in a replayed step.
+
+Overflows are planted where the test can compute them independently: a Linear whose fp16 output passes
+65504 (its fp32 output does not), a loss scale whose gradient passes 65504 once cast to fp16, a custom
+autograd.Function returning an inf gradient, fp16 code run as written. Each report is checked against the
+graph's own nodes and module paths, and the model is checked to be exactly as the replay found it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import amp_compiler
+from amp_compiler.in_place import in_place_conversion
+from amp_compiler.insight.graph_decisions import module_of
+from amp_compiler.passes.node_facts import facts
+from amp_compiler.train import overflow_report
+from amp_compiler.train.grad_scaler import GradScaler
+from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager
+from amp_compiler.train.overflow_report import OverflowReport, locate_overflow
+
+FP16_MAX = torch.finfo(torch.float16).max
+PLANTED = 1000.0          # every weight of the planted Linear; inputs of 10 over 8 features: 80000 > FP16_MAX
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+class InfGradient(torch.autograd.Function):
+    """Identity forward; its backward returns an inf gradient (a broken custom op)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class Amplify(nn.Module):
+    """fp16 code the conversion never sees: parameterless, run as written inside an as-written part."""
+
+    def forward(self, x):
+        return (x.half() * 1e5).float()
+
+
+class Branchy(nn.Module):
+    """fx cannot capture the root (data-dependent branch): it runs as written, pre/post become parts."""
+
+    def __init__(self, plant=None):
+        super().__init__()
+        self.pre, self.amplify, self.post = nn.Linear(8, 8), Amplify(), nn.Linear(8, 4)
+        self.plant = plant
+
+    def forward(self, x):
+        h = self.pre(x)
+        if h.abs().max() > 1e9:
+            h = h / 2
+        if self.plant == "module":
+            h = self.amplify(h)
+        elif self.plant == "own code":
+            h = (h.half() * 1e5).float()
+        elif self.plant == "gradient":
+            h = InfGradient.apply(h)
+        return self.post(h)
+
+
+def planted_mlp():
+    torch.manual_seed(0)
+    model = MLP()
+    with torch.no_grad():
+        model.layers[1].up.weight.fill_(PLANTED)
+    return model
+
+
+def inputs():
+    return torch.full((2, 8), 10.0)
+
+
+def replay_of(model, x, scale=1.0):
+    return lambda: (model(x).sum() * scale).backward()
+
+
+def the_node(gm, module, op):
+    """The single node of `gm` with this op whose module (module_of) is `module`: the expected answer."""
+    found = [n.name for n in gm.graph.nodes if module_of(n) == module and facts(n).get("op") == op]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def graph_of(model, part=""):
+    (graphs,) = in_place_conversion(model).parts[part].graphs.values()
+    return graphs[0].gm
+
+
+def snapshot(model):
+    """Everything the replay must leave as it was: .grad values, buffers, graphs' forwards."""
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    forwards = [("forward" in gm.__dict__, gm.__dict__.get("forward")) for gm in _graph_modules(model)]
+    return grads, forwards
+
+
+def _graph_modules(model):
+    conversion = in_place_conversion(model)
+    if conversion is not None:
+        return conversion.graph_modules()
+    return [m for m in model.modules() if isinstance(m, torch.fx.GraphModule)]
+
+
+def assert_unchanged(model, before):
+    grads, forwards = snapshot(model)
+    assert forwards == before[1]
+    assert grads.keys() == before[0].keys()
+    for name, grad in grads.items():
+        old = before[0][name]
+        assert (grad is None) == (old is None), name
+        if grad is not None:
+            assert torch.equal(grad.nan_to_num(), old.nan_to_num()), name
+
+
+# --- (1) forward overflow in a model converted in place ------------------------------------------------
+def test_forward_overflow_names_the_linear_node_and_its_module_path():
+    reference = planted_mlp()
+    x = inputs()
+    with torch.no_grad():   # the plant: fp32 stays finite, the planted Linear's output passes fp16's range
+        h = x + reference.layers[0](x)
+        up = reference.layers[1].up(h)
+    assert torch.isfinite(reference(x)).all() and up.abs().max() > FP16_MAX
+
+    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True)
+    replay_of(model, x)()    # the step that overflowed: .grad now holds its (non-finite) gradients
+    before = snapshot(model)
+    report = locate_overflow(model, replay_of(model, x))
+
+    gm = graph_of(model)
+    assert report.forward == {"part": "", "module": "layers.1.up", "node": the_node(gm, "inner.layers.1.up", "linear"),
+                              "op": "linear", "found": "node output", "value": "inf", "dtype": "float16"}
+    # the inf reaches layers.1.down's weight gradient (relu of inf times the incoming gradient) and head's
+    expected = [n for n, p in before[0].items() if p is not None and not torch.isfinite(p).all()]
+    assert report.parameters == expected and "layers.1.down.weight" in expected
+    text = str(report)
+    assert text.startswith(f"fp16 step overflowed: forward value of node '{report.forward['node']}' "
+                           "(layers.1.up, linear) became inf")
+    assert 2 <= len(text.splitlines()) <= 4
+    assert_unchanged(model, before)
+
+
+def test_replay_leaves_grads_buffers_and_graphs_as_they_were():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[2].weight.fill_(PLANTED * 100)
+    amp_compiler.convert(model, "O1", dtype=torch.float16, inplace=True)
+    x = torch.randn(4, 8)
+    replay_of(model, x)()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)   # the caller's own gradients, e.g. accumulated micro-batches
+    before = snapshot(model)
+    stats = [b.clone() for b in model.buffers()]
+    graphs = {id(gm) for gm in _graph_modules(model)}
+    report = locate_overflow(model, replay_of(model, x))
+    assert report is not None and report.forward["module"] == "2"
+    assert_unchanged(model, before)
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers()))
+    assert {id(gm) for gm in _graph_modules(model)} == graphs
+
+
+# --- (2) backward-only overflow -------------------------------------------------------------------------
+def test_backward_only_overflow_from_a_huge_loss_scale_names_the_node_nearest_the_loss():
+    torch.manual_seed(0)
+    model = amp_compiler.convert(MLP(), "O1", dtype=torch.float16, inplace=True)
+    x = torch.randn(2, 8)
+    scale = 1e6   # finite in fp32; the output's gradient passes 65504 when the head's cast sends it to fp16
+    assert torch.isfinite(model(x)).all() and scale > FP16_MAX
+    report = locate_overflow(model, replay_of(model, x, scale))
+    gm = graph_of(model)
+    assert report.forward is None
+    head = the_node(gm, "inner.head", "linear")
+    assert report.backward == {"part": "", "module": "head", "node": head, "op": "linear", "found": "node output",
+                               "value": "inf", "dtype": "float16"}
+    assert "forward value stayed finite" in str(report) and f"node '{head}' (head, linear), inf" in str(report)
+    assert report.parameters   # the scaled gradients are non-finite too
+
+
+def test_custom_function_with_an_inf_gradient_names_the_node_before_it():
+    model = amp_compiler.convert(Branchy("gradient"), "O1", dtype=torch.float16, inplace=True)
+    x = inputs()
+    replay_of(model, x)()
+    report = locate_overflow(model, replay_of(model, x))
+    last = list(graph_of(model, "pre").graph.nodes)[-1].args[0]   # the value pre's graph returns
+    assert report.forward is None
+    assert report.backward["part"] == "pre" and report.backward["module"] == "pre"
+    assert report.backward["node"] == last.name and report.backward["value"] == "inf"
+    assert report.parameters == ["pre.weight", "pre.bias"]   # post's gradients come before the inf
+
+
+# --- (3) a part run as written: module-level findings --------------------------------------------------
+def test_a_module_run_as_written_is_named_at_module_granularity():
+    model = amp_compiler.convert(Branchy("module"), "O1", dtype=torch.float16, inplace=True)
+    x = inputs()
+    replay_of(model, x)()
+    parts = in_place_conversion(model).parts
+    assert parts[""].as_written and not parts[""].graphs   # the root could not be captured
+    with torch.no_grad():   # independently: pre's output is finite, Amplify's is not
+        assert torch.isfinite(model.pre(x)).all() and not torch.isfinite(model.amplify(model.pre(x))).all()
+    report = locate_overflow(model, replay_of(model, x))
+    assert report.forward == {"part": "", "module": "amplify", "node": None, "op": "Amplify",
+                              "found": "module output", "value": "inf", "dtype": "float32"}
+    assert "module 'amplify' (Amplify, run as written) became inf" in str(report)
+
+
+def test_the_own_code_of_a_module_run_as_written_is_named_by_the_input_it_passes_on():
+    model = amp_compiler.convert(Branchy("own code"), "O1", dtype=torch.float16, inplace=True)
+    x = inputs()
+    replay_of(model, x)()
+    report = locate_overflow(model, replay_of(model, x))
+    assert report.forward["module"] == "" and report.forward["node"] is None
+    assert report.forward["op"] == "Branchy" and report.forward["found"] == "own code, before calling 'post'"
+    assert "module '<model>' (Branchy, own code, before calling 'post') became inf" in str(report)
+
+
+def test_a_plain_module_gets_module_hooks():
+    torch.manual_seed(0)
+    model = MLP()    # not converted: fp32, planted past fp32's range
+    with torch.no_grad():
+        model.layers[1].up.weight.fill_(1e38)
+    x = inputs()
+    report = locate_overflow(model, replay_of(model, x))
+    assert report.forward == {"part": None, "module": "layers.1.up", "node": None, "op": "Linear",
+                              "found": "module output", "value": "inf", "dtype": "float32"}
+    assert report.precision == "mixed-precision"
+
+
+def test_a_non_finite_batch_is_named_as_the_model_input():
+    torch.manual_seed(0)
+    model = amp_compiler.convert(MLP(), "O1", dtype=torch.float16, inplace=True)
+    x = torch.randn(2, 8)
+    x[0, 0] = float("nan")
+    report = locate_overflow(model, replay_of(model, x))
+    assert report.forward == {"part": "", "module": "", "node": None, "op": "MLP", "found": "model input",
+                              "value": "nan", "dtype": "float32"}
+
+
+# --- (4) a clean step -----------------------------------------------------------------------------------
+def test_a_clean_step_reports_nothing_and_changes_nothing():
+    torch.manual_seed(0)
+    model = amp_compiler.convert(MLP(), "O1", dtype=torch.float16, inplace=True)
+    x = torch.randn(2, 8)
+    replay_of(model, x)()
+    before = snapshot(model)
+    assert locate_overflow(model, replay_of(model, x)) is None
+    assert_unchanged(model, before)
+
+
+# --- (5) a GraphModule from convert() --------------------------------------------------------------------
+def test_a_graph_module_from_convert_names_its_node():
+    gm = amp_compiler.convert(planted_mlp())
+    x = inputs()
+    expected = gm(x)
+    before = snapshot(gm)
+    report = locate_overflow(gm, replay_of(gm, x))
+    assert report.forward == {"part": None, "module": "layers.1.up", "node": the_node(gm, "layers.1.up", "linear"),
+                              "op": "linear", "found": "node output", "value": "inf", "dtype": "float16"}
+    assert_unchanged(gm, before)
+    assert torch.equal(gm(x).nan_to_num(), expected.nan_to_num())   # the compiled forward is back
+
+
+class Masked(nn.Module):
+    """Causal attention with a -inf mask (an intended infinity), then the planted Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.v = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        scores = x @ x.transpose(-1, -2)
+        mask = torch.ones_like(scores, dtype=torch.bool).triu(1)
+        attention = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        return self.out(attention @ self.v(x))
+
+
+def test_an_intended_minus_inf_mask_is_not_the_overflow(monkeypatch):
+    torch.manual_seed(0)
+    model = Masked()
+    with torch.no_grad():
+        model.v.weight.fill_(0.5)              # v(x) > 0 for x > 0: out's inputs are about 6
+        model.out.weight.fill_(PLANTED * 10)   # 8 * 6 * 10000 > FP16_MAX
+    gm = amp_compiler.convert(model)
+    x = torch.rand(3, 8) + 1
+    report = locate_overflow(gm, replay_of(gm, x))
+    assert report.forward["node"] == the_node(gm, "out", "linear")
+    # without the rule for constant infinities the mask would be named: the rule is what skips it
+    monkeypatch.setattr(overflow_report, "_has_infinite_constant", lambda node: False)
+    assert locate_overflow(gm, replay_of(gm, x)).forward["node"] == the_node(gm, "", "masked_fill")
+
+
+# --- robustness ---------------------------------------------------------------------------------------
+def test_a_failing_check_reports_what_was_found_and_restores_the_model(monkeypatch):
+    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True)
+    x = inputs()
+    replay_of(model, x)()
+    before = snapshot(model)
+    calls = []
+    real = overflow_report._non_finite
+
+    def failing_after_the_overflow(values):
+        calls.append(1)
+        found = real(values)
+        if found[0] is not None:
+            monkeypatch.setattr(overflow_report, "_non_finite", _broken)
+        return found
+
+    monkeypatch.setattr(overflow_report, "_non_finite", failing_after_the_overflow)
+    report = locate_overflow(model, replay_of(model, x))
+    assert report.forward["module"] == "layers.1.up"
+    assert report.note.startswith("the checks stopped early (RuntimeError: broken check")
+    assert "note: the checks stopped early" in str(report)
+    assert_unchanged(model, before)
+
+
+def _broken(values):
+    raise RuntimeError("broken check")
+
+
+def test_a_replay_that_raises_is_reported_not_raised():
+    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True)
+    x = inputs()
+    model(x)
+
+    def replay():
+        model(x)
+        raise ValueError("loader exhausted")
+
+    report = locate_overflow(model, replay)
+    assert report.forward["module"] == "layers.1.up"
+    assert report.note == "the replay raised ValueError: loader exhausted"
+    assert "forward" not in graph_of(model).__dict__
+
+
+# --- (6) the scalers ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [DynamicLossScaleManager, FixedLossScaleManager, lambda: GradScaler("cpu")])
+def test_scalers_keep_the_last_overflow_report(make):
+    scaler = make()
+    assert scaler.last_overflow_report is None
+    report = OverflowReport(forward=None, backward=None, parameters=["w"])
+    assert scaler.record_overflow(report) is report
+    assert scaler.last_overflow_report is report
+    assert "last_overflow_report" not in scaler.state_dict()   # a log item, not checkpoint state
+    assert scaler.record_overflow(None) is None and scaler.last_overflow_report is None
