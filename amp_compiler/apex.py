@@ -234,7 +234,7 @@ def _convert(model: nn.Module, properties: Properties) -> None:
     overrides = {} if properties.keep_batchnorm_fp32 is None else {"keep_batchnorm_fp32": properties.keep_batchnorm_fp32}
     convert(model, properties.opt_level, inplace=True, dtype=properties.low_dtype, **overrides)
     if properties.cast_weights:
-        in_place_conversion(model).low_parameters_allowed = True   # the masters stay fp32 in the optimizer
+        in_place_conversion(model).weights_cast_low = True   # captures see them fp32
 
 
 def _weights_to_cast(model: nn.Module, properties: Properties) -> list[torch.Tensor]:

@@ -43,12 +43,9 @@ class CapturedGraph:
     dynamic_shapes: object = None
 
 
-def capture(model: nn.Module, example_inputs=None, dynamic_shapes=None, *,
-            low_parameters_allowed: bool = False) -> CapturedGraph:
-    """Trace `model` once (torch.fx, else torch.export); the user's model is never changed.
-    `low_parameters_allowed`: the caller cast the weights low itself and keeps fp32 masters elsewhere
-    (amp_compiler.initialize at Apex's O2/O3); otherwise fp16/bf16 parameters are refused."""
-    captured = _capture(model, example_inputs, dynamic_shapes, low_parameters_allowed)
+def capture(model: nn.Module, example_inputs=None, dynamic_shapes=None) -> CapturedGraph:
+    """Trace `model` once (torch.fx, else torch.export); the user's model is never changed."""
+    captured = _capture(model, example_inputs, dynamic_shapes)
     captured.model, captured.example_inputs, captured.dynamic_shapes = \
         unwrap_compiled(model)[0], example_inputs, dynamic_shapes
     return captured
@@ -78,14 +75,14 @@ def _copied(value):
     return copy.copy(value) if isinstance(value, (list, set)) else value
 
 
-def _capture(model: nn.Module, example_inputs, dynamic_shapes, low_parameters_allowed=False) -> CapturedGraph:
+def _capture(model: nn.Module, example_inputs, dynamic_shapes) -> CapturedGraph:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() needs a torch.nn.Module, got {type(model).__name__}")
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
                         f"got {type(example_inputs).__name__}")
     model, notes = unwrap_compiled(model)
-    _check_dtypes(model, example_inputs, low_parameters_allowed)
+    _check_dtypes(model, example_inputs)
     check_input_count(model, example_inputs)
     root = share_module_tree(model)
     tracer = AmpTracer()
@@ -153,10 +150,10 @@ def _export_fallback(model, example_inputs, dynamic_shapes, fx_error, notes) -> 
         raise export_failure(model, fx_error, export_error) from export_error
 
 
-def _check_dtypes(model: nn.Module, example_inputs, low_parameters_allowed: bool = False) -> None:
+def _check_dtypes(model: nn.Module, example_inputs) -> None:
     """Refuse at convert time what would only fail (or do nothing) at call time."""
     low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
-    if low and not low_parameters_allowed:
+    if low:
         raise ValueError(f"{type(model).__name__} has {', '.join(low)} parameters: mixed precision starts from "
                          "an fp32 model (the fp32 parameters stay the masters). Call model.float() first.")
     if example_inputs is None:
