@@ -132,10 +132,10 @@ def test_an_object_argument_runs_the_root_as_written_and_its_children_report_und
 
 def test_numbered_parts_fold_into_one_line_per_reason():
     x = torch.randn(2, 16)
-    model = converted(TakesObject(blocks=12), x, State(1.0))
+    model = converted(TakesObject(blocks=6), x, State(1.0))
     lines = [line for line in str(amp_compiler.explain(model)).splitlines()
              if line.startswith("  graphs")]
-    assert lines == ["  graphs (13): proj, layers.[0-11]"]
+    assert lines == ["  graphs (7): proj, layers.[0-5]"]
 
 
 def test_an_untraceable_child_runs_as_written_with_the_reason_and_its_child_is_a_graph():
@@ -254,3 +254,95 @@ def test_verify_checks_every_part_graph_and_names_the_part():
     facts(linear)["dtype"] = torch.float64   # a wrong record: the graph computes bfloat16 there
     with pytest.raises(amp_compiler.DtypeMismatch, match="part layers.1: node"):
         amp_compiler.verify(model, x, State(1.0))
+
+
+# -- freeze -------------------------------------------------------------------------------------------------
+def low_bytes(model):
+    """What bf16 copies of all of the model's parameters take (every MLP weight and bias is read low)."""
+    return sum(p.numel() * 2 for p in model.parameters())
+
+
+def test_freeze_after_the_first_call_freezes_the_part_graphs_and_keeps_the_outputs():
+    x = torch.randn(4, 16)
+    model = converted(TakesObject().eval(), x, State(1.0))
+    with torch.no_grad():
+        unfrozen = model(x, State(1.0))
+    assert amp_compiler.freeze(model) is model and amp_compiler.frozen_bytes(model) == 0   # copies on a call
+    with torch.no_grad():
+        frozen = model(x, State(1.0))
+    norms = sum(p.numel() * 2 for name, p in model.named_parameters() if ".norm." in name)   # fp32: no copy
+    assert amp_compiler.frozen_bytes(model) == low_bytes(model) - norms
+    assert torch.equal(frozen, unfrozen)
+
+
+@pytest.mark.parametrize("how", ["freeze() before any call", "convert(freeze=True)"])
+def test_graphs_captured_after_freezing_are_frozen_too(how):
+    x = torch.randn(4, 16)
+    model, reference = mlp(), mlp()
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, freeze=how.startswith("convert"))
+    amp_compiler.convert(reference, "O1", dtype=BF16, inplace=True)
+    if how.startswith("freeze"):
+        amp_compiler.freeze(model, sample_values=False)
+    with torch.no_grad():
+        out = model(x)
+    assert amp_compiler.frozen_bytes(model) == low_bytes(model)
+    with torch.no_grad():
+        assert torch.equal(out, reference(x))
+    holder = in_place_conversion(model).graph_modules()[0].get_submodule("amp_frozen_weights")
+    assert holder.sample_values is not how.startswith("freeze")
+
+
+def test_training_calls_of_a_frozen_part_cast_the_weights_as_before():
+    x = torch.randn(4, 16)
+    model = amp_compiler.freeze(amp_compiler.convert(mlp().train(), "O1", dtype=BF16, inplace=True))
+    model(x).sum().backward()   # a train-mode graph: its copies are not used, the gradients reach the weights
+    assert amp_compiler.frozen_bytes(model) == 0 and model[0].weight.grad is not None
+
+
+# -- a tiny Hugging Face Llama ------------------------------------------------------------------------------
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.real_models
+@pytest.mark.slow   # the parts capture in ~15 s on 2 busy cores
+def test_llama_explain_names_the_cache_taking_parts_and_the_graphs(tmp_path):
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 5))
+    converted(model, ids)
+    report = amp_compiler.explain(model)
+    names = dict(model.named_modules())
+    assert all(row["module"] in names for row in report.rows)
+    parts = report.summary["parts"]
+    for layer in ("model.layers.0", "model.layers.1.self_attn"):
+        assert parts[layer]["status"] == "as written" and "DynamicCache" in parts[layer]["reasons"][0]
+    assert parts["model.layers.1.self_attn.q_proj"] == {"status": "graph", "captures": 1, "graphs": 1, "reasons": []}
+    text = "\n".join(report.summary_lines())
+    assert "model.layers.[0-1].self_attn.{q_proj,k_proj,v_proj,o_proj}" in text
+    assert "DynamicCache argument" in text and "model.layers.[0-1], model.layers.[0-1].self_attn" in text
+    assert "model.layers.1: same decisions as model.layers.0" in str(report)
+    assert "model.layers.0.mlp.up_proj" in amp_compiler.render(model, tmp_path / "llama.html").read_text()
+
+
+@pytest.mark.real_models
+@pytest.mark.slow   # the parts capture in ~15 s on 2 busy cores
+def test_llama_frozen_generates_the_same_tokens_and_compare_and_verify_run():
+    model = tiny_llama()
+    fp32 = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 5))
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    with torch.no_grad():
+        unfrozen = model.generate(ids, max_new_tokens=4, do_sample=False)
+        amp_compiler.freeze(model)
+        frozen = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(frozen, unfrozen) and amp_compiler.frozen_bytes(model) > 0
+    report = amp_compiler.compare(model, model, (ids,))
+    with torch.no_grad():
+        expected = (model(ids).logits.double() - fp32(ids).logits.double()).abs().max().item()
+    assert report.outputs[0].max_abs == pytest.approx(expected) and report.errors
+    assert {e.module.rsplit(".", 1)[0] for e in report.errors if e.op == "linear"} >= {"model.layers.1.mlp"}
+    assert amp_compiler.verify(model, ids) is None
