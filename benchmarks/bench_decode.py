@@ -1,0 +1,169 @@
+"""Decode latency of a Llama-shaped model, bf16 on CPU: fp32, torch.autocast, converted in place (O1), and
+converted in place with frozen weight copies (freeze=True). Greedy, KV cache on; alternated runs, medians.
+
+    python benchmarks/bench_decode.py [--batches 1,8] [--repeats 7] [--vocab 8000] [--threads 2]
+    python benchmarks/bench_decode.py --profile frozen --batches 1     # cProfile of the decode steps, top rows
+
+Each run: one prefill forward over the prompt (its time is the "prefill" column), then --new - 1 forwards of
+one token each reading the KV cache (their mean is "decode ms/token"). The same greedy loop for every
+variant, written out here rather than generate(), so its bookkeeping is no part of either figure.
+The in-place models are warmed first: their parts capture on the first call of each kind (prefill, decode).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT]
+
+import amp_compiler  # noqa: E402
+import amp_compiler.models.torchvision_ops  # noqa: E402,F401  (transformers imports torchvision's C ops)
+from amp_compiler.in_place.conversion import in_place_conversion  # noqa: E402
+
+LOW = torch.bfloat16
+VARIANTS = ("fp32", "autocast", "in place", "in place frozen")
+
+
+def llama(vocab: int, hidden: int, intermediate: int, layers: int, heads: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def variants(model) -> dict:
+    """name -> a callable model(input_ids, past_key_values=...) -> logits; each in-place one is a copy."""
+    def autocast_call(*args, **kwargs):
+        with torch.autocast("cpu", dtype=LOW):
+            return model(*args, **kwargs)
+
+    in_place = amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True)
+    frozen = amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True, freeze=True)
+    return dict(zip(VARIANTS, (model, autocast_call, in_place, frozen)))
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def greedy(run, prompt: torch.Tensor, new: int, config, clock=time.perf_counter) -> tuple[list[float], torch.Tensor]:
+    """Milliseconds of each forward (the first is the prefill) and the generated tokens."""
+    from transformers import DynamicCache
+    cache, ids, times, tokens = DynamicCache(config=config), prompt, [], []
+    for _ in range(new):
+        start = clock()
+        logits = run(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        ids = logits[:, -1].argmax(-1, keepdim=True)
+        times.append((clock() - start) * 1e3)
+        tokens.append(ids)
+    return times, torch.cat(tokens, 1)
+
+
+def measure(runs: dict, prompt, new: int, repeats: int, config, clock) -> tuple[dict, dict]:
+    """name -> (median prefill ms, median decode ms/token); name -> tokens (to compare with fp32's)."""
+    prefill = {name: [] for name in runs}
+    decode = {name: [] for name in runs}
+    tokens = {}
+    with torch.inference_mode():
+        for name, run in runs.items():   # warm-up: captures, frozen copies, allocator
+            greedy(run, prompt, new, config)
+        for _ in range(repeats):         # alternated: drift hits every variant alike
+            for name, run in runs.items():
+                times, tokens[name] = greedy(run, prompt, new, config, clock)
+                prefill[name].append(times[0])
+                decode[name].append(statistics.mean(times[1:]))
+    return {name: (statistics.median(prefill[name]), statistics.median(decode[name])) for name in runs}, tokens
+
+
+def part_counts(model) -> str:
+    """graphs / as written / both, over the parts of an in-place converted model."""
+    parts = in_place_conversion(model).parts.values()
+    graphs = sum(1 for p in parts if p.graphs and not p.as_written)
+    written = sum(1 for p in parts if p.as_written and not p.graphs)
+    return f"{graphs} graphs / {written} as written" + (f" / {len(parts) - graphs - written} both"
+                                                         if len(parts) != graphs + written else "")
+
+
+def profile(run, prompt, new: int, config, top: int) -> str:
+    with torch.inference_mode():
+        greedy(run, prompt, new, config)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        greedy(run, prompt, new, config)
+        profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def markdown(title: str, header: list, rows: list) -> None:
+    print(f"\n{title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---:" if i else "---" for i in range(len(header))) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(x) for x in row) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    parser.add_argument("--new", type=int, default=24, help="new tokens (the first comes from the prefill)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--intermediate", type=int, default=1376)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                        help="cpu: this process's CPU time (at 1 thread, what other processes on the machine "
+                             "cannot inflate)")
+    parser.add_argument("--profile", choices=VARIANTS, help="print a cProfile of this variant instead")
+    parser.add_argument("--top", type=int, default=25, help="rows of the profile")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    model = llama(args.vocab, args.hidden, args.intermediate, args.layers, args.heads)
+    runs = variants(model)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompt = torch.randint(0, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
+        if args.profile:
+            print(f"batch {batch}, {args.profile}:\n" + profile(runs[args.profile], prompt, args.new, model.config,
+                                                              args.top))
+            continue
+        ms, tokens = measure(runs, prompt, args.new, args.repeats, model.config, CLOCKS[args.clock])
+        for name in VARIANTS:
+            prefill, decode = ms[name]
+            same = (tokens[name] == tokens["fp32"]).float().mean().item()
+            rows.append([str(batch), name, f"{prefill:.2f}", f"{decode:.2f}", f"{decode / ms['fp32'][1]:.2f}",
+                         f"{decode / ms['autocast'][1]:.2f}", f"{prefill / ms['autocast'][0]:.2f}",
+                         f"{same:.0%}"])
+            print("  ".join(rows[-1]), flush=True)
+    if args.profile:
+        return
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    markdown(f"decode latency, Llama {args.layers}x{args.hidden} (intermediate {args.intermediate}, {args.heads} "
+             f"heads, vocab {args.vocab}, {params:.1f}M parameters), bf16 on CPU, "
+             f"{args.threads} thread(s), {args.clock} clock, prompt {args.prompt}, {args.new} new tokens greedy, KV cache; median of {args.repeats} alternated "
+             f"runs", ["batch", "variant", "prefill ms", "decode ms/token", "decode vs fp32", "decode vs autocast",
+                       "prefill vs autocast", "tokens = fp32's"], rows)
+    for name in ("in place", "in place frozen"):
+        print(f"\n{name}: {part_counts(runs[name])}")
+
+
+if __name__ == "__main__":
+    main()
