@@ -139,7 +139,26 @@ class AmpTraining:
         return f"level={self.level!r}, dtype={self.dtype}, scaler={self.scaler!r}"
 
 
-class AmpPrecision(Precision):
+class ScalerHooks:
+    """The hooks both plugins share: the scaler in checkpoints, the report written at teardown."""
+    amp: AmpTraining
+
+    @property
+    def scaler(self) -> LossScaleManager | None:
+        return self.amp.scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state_dict)
+
+    def teardown(self) -> None:
+        self.amp.write_report()
+
+
+class AmpPrecision(ScalerHooks, Precision):
     """`Trainer(plugins=[AmpPrecision("O1", dtype=torch.bfloat16)])`: see the module docstring.
 
     level, dtype and the other keyword arguments go to `amp_compiler.convert`; `scaler` (fp16 only) defaults to
@@ -152,10 +171,6 @@ class AmpPrecision(Precision):
         self.amp = AmpTraining(level, dtype, scaler, report_html, convert_options,
                                logging.getLogger("lightning.pytorch.amp_compiler"))
         self.precision = LOW_DTYPES[dtype]
-
-    @property
-    def scaler(self) -> LossScaleManager | None:
-        return self.amp.scaler
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         _refuse_unsupported_strategy(module)
@@ -171,9 +186,7 @@ class AmpPrecision(Precision):
             result = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
             self.amp.after_step()
             return result
-        if isinstance(optimizer, LBFGS):
-            raise TypeError("LBFGS re-evaluates its closure inside step(): loss scaling cannot check its "
-                            "gradients; use another optimizer, or dtype=torch.bfloat16 (no scaler)")
+        _refuse_lbfgs(optimizer)
         rng_before = _rng_state()
         closure_result = closure()
         # in automatic optimization a training_step that returned None skipped backward: nothing to unscale
@@ -190,21 +203,11 @@ class AmpPrecision(Precision):
         self.amp.after_step()
         return step_output
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state_dict)
-
-    def teardown(self) -> None:
-        self.amp.write_report()
-
     def __repr__(self) -> str:
         return f"AmpPrecision({self.amp!r})"
 
 
-class AmpFabricPrecision(FabricPrecision):
+class AmpFabricPrecision(ScalerHooks, FabricPrecision):
     """`Fabric(plugins=AmpFabricPrecision("O1", dtype=torch.float16))`: AmpPrecision's hooks in Fabric's terms.
 
     Fabric has no closure: `backward` scales the loss, `optimizer_step` steps or skips and updates, and the
@@ -218,10 +221,6 @@ class AmpFabricPrecision(FabricPrecision):
                                logging.getLogger("lightning.fabric.amp_compiler"))
         self.precision = LOW_DTYPES[dtype]
         self._last_call: tuple | None = None   # (inputs, RNG state) of the latest forward, for the replay
-
-    @property
-    def scaler(self) -> LossScaleManager | None:
-        return self.amp.scaler
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return self.amp.convert(module)
@@ -241,9 +240,7 @@ class AmpFabricPrecision(FabricPrecision):
             result = super().optimizer_step(optimizer, **kwargs)
             self.amp.after_step()
             return result
-        if isinstance(optimizer, LBFGS):
-            raise TypeError("LBFGS re-evaluates its closure inside step(): loss scaling cannot check its "
-                            "gradients; use another optimizer, or dtype=torch.bfloat16 (no scaler)")
+        _refuse_lbfgs(optimizer)
         step_output = self.scaler.step(optimizer, **kwargs)
         if self.amp.step_overflowed(optimizer):
             self.amp.report_skip(self._forward_replay())
@@ -254,16 +251,6 @@ class AmpFabricPrecision(FabricPrecision):
     def unscale_gradients(self, optimizer) -> None:   # fabric.clip_gradients: clip the true gradients
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state_dict)
-
-    def teardown(self) -> None:
-        self.amp.write_report()
 
     def _forward_replay(self) -> Callable[[], Any] | None:
         if self._last_call is None or self.amp.model is None:
@@ -292,6 +279,12 @@ def _refuse_unsupported_strategy(module: nn.Module) -> None:
     if strategy in REFUSED_STRATEGIES:
         raise ValueError(f"AmpPrecision does not support {strategy}: {REFUSED_STRATEGIES[strategy]}; "
                          f"{ALTERNATIVES}")
+
+
+def _refuse_lbfgs(optimizer) -> None:
+    if isinstance(optimizer, LBFGS):
+        raise TypeError("LBFGS re-evaluates its closure inside step(): loss scaling cannot check its "
+                        "gradients; use another optimizer, or dtype=torch.bfloat16 (no scaler)")
 
 
 def _closure_replay(model, closure: Callable[[], Any], rng_before) -> Callable[[], Any] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 import lightning.pytorch as pl
 from lightning.fabric import Fabric
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 import amp_compiler
 from amp_compiler.lightning import AmpFabricPrecision, AmpPrecision
@@ -192,7 +194,18 @@ def test_bad_arguments_and_fsdp_are_refused_with_the_alternative():
     with pytest.raises(TypeError, match="LossScaleManager"):
         AmpPrecision(dtype=torch.float16, scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(TypeError, match="FSDPPrecision"):   # Lightning's FSDP accepts only its own plugin
-        pl.Trainer(**TRAINER_SETTINGS, strategy="fsdp", plugins=[AmpPrecision()])
+        FSDPStrategy(precision_plugin=AmpPrecision())
+
+
+class ParallelizedByTheUser(Classifier):
+    def configure_model(self):   # ModelParallelStrategy requires it (FSDP2 / tensor parallel go here)
+        pass
+
+
+def test_fsdp2_model_parallel_is_refused_naming_the_alternatives():
+    trainer = pl.Trainer(**TRAINER_SETTINGS, strategy=ModelParallelStrategy(), plugins=[AmpPrecision()])
+    with pytest.raises(ValueError, match='does not support ModelParallelStrategy.*strategy="ddp"'):
+        trainer.fit(ParallelizedByTheUser(), batches())
 
 
 # -- Fabric ----------------------------------------------------------------------------------------------------
@@ -252,7 +265,11 @@ class RankRecorder(pl.Callback):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_ddp_spawn_one_ranks_inf_skips_the_step_on_both(tmp_path):
+def test_ddp_spawn_one_ranks_inf_skips_the_step_on_both(tmp_path, monkeypatch):
+    # Spawned ranks unpickle Lightning before anything else: on this CPU torch, torchvision's op schemas must be
+    # defined first (models/torchvision_ops.py, a no-op where torchvision's extension loads): a sitecustomize does
+    (tmp_path / "sitecustomize.py").write_text("import amp_compiler.models.torchvision_ops\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     module = Classifier(inf_at_step=1, inf_on_rank=1)
     plugin = AmpPrecision(dtype=torch.float16, scaler=amp_compiler.GradScaler(init_scale=2.0 ** 10))
     fit(module, plugins=[plugin], strategy="ddp_spawn", devices=2, callbacks=[RankRecorder(tmp_path)])
