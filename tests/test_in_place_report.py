@@ -175,6 +175,18 @@ def test_a_part_with_train_and_eval_graphs_counts_both_and_shows_the_latest():
     assert "graphs (1), 2 captures and 2 graphs each (rows: the latest)" in str(report)
 
 
+def test_calibration_shows_as_convert_shows_it():
+    torch.manual_seed(0)
+    samples = [(torch.randn(4, 16),), (torch.randn(4, 16) * 3e4,)]   # past float16's range
+    whole = amp_compiler.convert(mlp(), "O1", dtype=torch.float16, calibration_data=samples)
+    model = amp_compiler.convert(mlp(), "O1", dtype=torch.float16, inplace=True, calibration_data=samples)
+    with torch.no_grad():
+        model(torch.randn(4, 16))
+    line = [line for line in str(amp_compiler.explain(whole)).splitlines() if line.startswith("range calibration")]
+    counts = line[0].rpartition(":")[0]   # "range calibration (2 samples): 1 node kept fp32" (node names differ)
+    assert "0 nodes" not in counts and counts in str(amp_compiler.explain(model))
+
+
 def test_html_json_and_filters_work_on_the_merged_report():
     model = converted(TakesObject(), torch.randn(4, 16), State(1.0))
     report = amp_compiler.explain(model, module="layers.1.*")
