@@ -183,6 +183,28 @@ def test_replay_leaves_grads_buffers_and_graphs_as_they_were():
     assert_unchanged(model, before)
     assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers()))
     assert {id(gm) for gm in _graph_modules(model)} == graphs
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())   # zero cost after
+
+
+def test_a_plain_loop_with_grad_scaler_records_where_its_skipped_step_overflowed():
+    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0 ** 4)
+    x = inputs()
+    weights = [p.detach().clone() for p in model.parameters()]
+    scale, rng = scaler.get_scale(), torch.get_rng_state()
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.last_overflow and all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+
+    def replay():   # the README's recipe: the step's scale and RNG state, the training's stream kept
+        with torch.random.fork_rng():
+            torch.set_rng_state(rng)
+            (model(x).sum() * scale).backward()
+
+    report = scaler.record_overflow(locate_overflow(model, replay))
+    assert scaler.last_overflow_report is report and report.forward["module"] == "layers.1.up"
 
 
 # --- (2) backward-only overflow -------------------------------------------------------------------------
@@ -368,3 +390,27 @@ def test_scalers_keep_the_last_overflow_report(make):
     assert scaler.last_overflow_report is report
     assert "last_overflow_report" not in scaler.state_dict()   # a log item, not checkpoint state
     assert scaler.record_overflow(None) is None and scaler.last_overflow_report is None
+
+
+@pytest.mark.real_models
+def test_a_tiny_llama_converted_in_place_names_its_mlp_projection():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = amp_compiler.convert(LlamaForCausalLM(config).train(), "O1", dtype=torch.float16, inplace=True)
+    ids = torch.randint(0, 128, (2, 8))
+
+    def replay():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    replay()
+    assert locate_overflow(model, replay) is None   # its masks and softmaxes are no overflow
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.fill_(5000.0)
+    report = locate_overflow(model, replay)
+    gm = graph_of(model, "model.layers.1.mlp")
+    assert report.forward == {"part": "model.layers.1.mlp", "module": "model.layers.1.mlp.up_proj",
+                              "node": the_node(gm, "inner.up_proj", "linear"), "op": "linear",
+                              "found": "node output", "value": "inf", "dtype": "float16"}
+    assert "model.layers.1.mlp.up_proj.weight" in report.parameters
