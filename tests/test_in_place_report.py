@@ -192,7 +192,8 @@ def test_html_json_and_filters_work_on_the_merged_report():
     report = amp_compiler.explain(model, module="layers.1.*")
     assert report.rows and all(row["module"].startswith("layers.1") for row in report.rows)
     html = report._repr_html_()
-    assert "parts: 3 graphs" in html and "layers.1.up" in html and "inner." not in html   # node names keep fx's inner_ prefix
+    # paths are the user's ("inner." gone); node names keep fx's inner_ prefix
+    assert "parts: 3 graphs" in html and "layers.1.up" in html and "inner." not in html
     assert report.to_dict()["summary"]["parts"]["proj"]["status"] == "graph"
 
 

@@ -1,10 +1,11 @@
 """explain / render / compare / verify on a model converted in place: its parts' graphs as ONE report.
 
     amp_compiler.explain(model)      # model = convert(model, "O1", inplace=True), called once
-    parts: 11 graphs, 12 as written (23 captures)
-      graphs: lm_head, model.layers.[0-1].mlp, model.layers.[0-1].self_attn.{q_proj,k_proj,v_proj,o_proj}
-      as written, called with a transformers.cache_utils.DynamicCache argument (...): model.layers.[0-1], ...
-    ... then the rows of every part's graph, under the user's module paths
+    parts: 11 graphs, 12 as written (17 captures)
+      graphs (11): model.layers.[0-1].self_attn.{q_proj,k_proj,v_proj,o_proj}, model.layers.[0-1].mlp, lm_head
+      as written (6), called with a transformers.cache_utils.DynamicCache argument (...): (top level), model, ...
+      as written (6), nothing in it runs low at this level (...): model.{embed_tokens,norm}, ...
+    ... then the rows of every part's graph, under the user's module paths (report_text.parts_lines)
 
 A part's graph names its modules "inner.xxx" (BoundCall.inner is the part's module): rows, islands, leaf
 modules, hooks and training reads are renamed "<part path>.xxx". A part with several graphs (train and
@@ -118,10 +119,10 @@ def part_status(part: Part) -> str:
 @contextlib.contextmanager
 def running_as_written(model: nn.Module):
     """Every part runs its own forward (no graph, no capture) inside the block; the parts are back after it."""
-    conversion = in_place_conversion(model)
-    converted = [(part.module, part.module.__dict__["forward"]) for part in (conversion.parts.values()
-                                                                              if conversion else ())]
-    for part in conversion.parts.values() if conversion else ():
+    conversion = in_place_conversion(model)   # None: a plain fp32 model, already as written
+    parts = list(conversion.parts.values()) if conversion is not None else []
+    converted = [(part.module, part.module.__dict__["forward"]) for part in parts]
+    for part in parts:
         if part.own_forward is not None:
             part.module.__dict__["forward"] = part.own_forward
         else:
