@@ -392,6 +392,7 @@ def test_scalers_keep_the_last_overflow_report(make):
     assert scaler.record_overflow(None) is None and scaler.last_overflow_report is None
 
 
+@pytest.mark.slow
 @pytest.mark.real_models
 def test_a_tiny_llama_converted_in_place_names_its_mlp_projection():
     from transformers import LlamaConfig, LlamaForCausalLM
