@@ -207,6 +207,30 @@ def test_a_plain_loop_with_grad_scaler_records_where_its_skipped_step_overflowed
     assert scaler.last_overflow_report is report and report.forward["module"] == "layers.1.up"
 
 
+class Wrapper(nn.Module):
+    """A LightningModule-like holder: the model converted in place is one of its children."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+
+def test_a_converted_child_of_the_model_passed_reports_paths_in_the_outer_model():
+    net = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True)
+    model = Wrapper(net)
+    x = inputs()
+    replay_of(model, x)()
+    report = locate_overflow(model, replay_of(model, x))
+    assert report.forward == {"part": "net", "module": "net.layers.1.up",
+                              "node": the_node(graph_of(net), "inner.layers.1.up", "linear"), "op": "linear",
+                              "found": "node output", "value": "inf", "dtype": "float16"}
+    assert "net.layers.1.down.weight" in report.parameters and report.precision == "fp16"
+
+
 # --- (2) backward-only overflow -------------------------------------------------------------------------
 def test_backward_only_overflow_from_a_huge_loss_scale_names_the_node_nearest_the_loss():
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from amp_compiler.in_place.conversion import _effects_undone   # buffers back as they were
+from amp_compiler.in_place.conversion import ATTRIBUTE, _effects_undone   # _effects_undone: buffers back
 from amp_compiler.insight.graph_decisions import module_of
 from amp_compiler.passes.node_facts import facts
 
@@ -360,15 +360,14 @@ class _checks_installed:
             self.module_checks = _ModuleChecks(self.model, self.finder, parts)
             self.stack.callback(self.module_checks.remove)
             self.module_checks.install()
-            conversion = self.model.__dict__.get("_amp_in_place")
-            if conversion is not None:
-                self._check_new_captures(conversion)
+            for prefix, conversion in _conversions(self.model):
+                self._check_new_captures(prefix, conversion)
         except BaseException:
             self.stack.close()
             raise
         return self
 
-    def _check_new_captures(self, conversion) -> None:
+    def _check_new_captures(self, prefix: str, conversion) -> None:
         """A part capturing during the replay (its first call like this one) compiles without the module
         hooks, and its new graph is checked node by node like the others."""
         capture = conversion.capture
@@ -376,7 +375,7 @@ class _checks_installed:
         def capture_and_check(part, *args):
             with self.module_checks.suspended():
                 graph = capture(part, *args)
-            self._swap_forward(graph.gm, part.path)
+            self._swap_forward(graph.gm, _join(prefix, part.path))
             return graph
         conversion.capture = capture_and_check
         self.stack.callback(lambda: conversion.__dict__.pop("capture", None))
@@ -401,9 +400,17 @@ class _checks_installed:
         return False
 
 
+def _conversions(model: nn.Module) -> list:
+    """(module path, InPlaceConversion) of the model and of any module in it converted in place (a
+    LightningModule or a wrapper holding the converted model)."""
+    return [(path, module.__dict__[ATTRIBUTE]) for path, module in model.named_modules()
+            if ATTRIBUTE in module.__dict__]
+
+
 def _parts(model: nn.Module) -> dict:
-    conversion = model.__dict__.get("_amp_in_place")
-    return dict(conversion.parts) if conversion is not None else {}
+    """Every in-place part, by its path in `model`."""
+    return {_join(prefix, path): part for prefix, conversion in _conversions(model)
+            for path, part in conversion.parts.items()}
 
 
 def _graphs(model: nn.Module, parts: dict) -> list:
@@ -435,9 +442,9 @@ class _grads_kept:
 
 
 def _precision_of(model: nn.Module) -> str:
-    conversion = model.__dict__.get("_amp_in_place")
-    if conversion is not None:
-        name = str(conversion.config.low_dtype).removeprefix("torch.")
+    conversions = _conversions(model)
+    if conversions:
+        name = str(conversions[0][1].config.low_dtype).removeprefix("torch.")
     else:
         name = next((str(m.meta.get("amp", {}).get("dtype")) for m in model.modules()
                      if isinstance(m, fx.GraphModule) and "amp" in m.meta), "mixed-precision")
