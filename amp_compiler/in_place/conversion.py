@@ -156,10 +156,25 @@ def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None
         conversion.calibration = _record_calls(model, calibration_data)
     model.__dict__[ATTRIBUTE] = conversion
     conversion.add_part(model, "")
+    _add_encoder_part(conversion, model)
     if example_inputs is not None:   # capture now: one call with these inputs, its effects undone
         with _effects_undone(model), torch.no_grad():
             model(*example_inputs)
     return model
+
+
+def _add_encoder_part(conversion: InPlaceConversion, model: nn.Module) -> None:
+    """An encoder-decoder's generate() calls model.get_encoder() itself, before the model's first forward:
+    the encoder is a part from the start (else that first generate ran it fp32, as written)."""
+    get_encoder = getattr(model, "get_encoder", None)
+    try:
+        encoder = get_encoder() if callable(get_encoder) else None
+    except Exception:  # noqa: BLE001 - a get_encoder that needs arguments or fails: nothing to add
+        return
+    if isinstance(encoder, nn.Module) and encoder is not model:
+        path = next((name for name, module in model.named_modules() if module is encoder), None)
+        if path:
+            conversion.add_part(encoder, path)
 
 
 def in_place_conversion(model: nn.Module) -> InPlaceConversion | None:
