@@ -305,6 +305,8 @@ def test_a_non_finite_batch_is_named_as_the_model_input():
     report = locate_overflow(model, replay_of(model, x))
     assert report.forward == {"part": "", "module": "", "node": None, "op": "MLP", "found": "model input",
                               "value": "nan", "dtype": "float32"}
+    assert str(report).startswith("fp16 step overflowed: the input of module '<model>' (MLP) was nan already "
+                                  "(model input: check the batch)")
 
 
 # --- (4) a clean step -----------------------------------------------------------------------------------

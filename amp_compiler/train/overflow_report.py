@@ -38,6 +38,7 @@ from amp_compiler.passes.node_facts import facts
 
 MODEL = "<model>"                 # how a report prints the model itself (module path "")
 SHORT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+INPUTS = ("model input", "input from the replay")   # a non-finite value no module of the model made
 PARAMETERS_SHOWN = 3              # str(report) names this many non-finite parameter gradients
 
 
@@ -52,10 +53,7 @@ class OverflowReport:
     note: str | None = None        # the checks stopped early, or the replay raised: why
 
     def __str__(self) -> str:
-        first = f"{self.precision} step overflowed: " + (
-            f"forward value of {_place(self.forward)} became {self.forward['value']}" if self.forward
-            else "every checked forward value stayed finite")
-        lines = [first]
+        lines = [f"{self.precision} step overflowed: {_forward_line(self.forward)}"]
         if self.backward:
             lines.append(f"first non-finite gradient (nearest the loss): w.r.t. the output of "
                          f"{_place(self.backward)}, {self.backward['value']}")
@@ -77,6 +75,15 @@ class OverflowReport:
                 "precision": self.precision, "note": self.note}
 
 
+def _forward_line(where: dict | None) -> str:
+    if where is None:
+        return "every checked forward value stayed finite"
+    if where["found"] in INPUTS:
+        return f"the input of module '{where['module'] or MODEL}' ({where['op']}) was {where['value']} already " \
+               f"({where['found']}: check the batch)"
+    return f"forward value of {_place(where)} became {where['value']}"
+
+
 def _place(where: dict) -> str:
     module = where["module"] or MODEL
     if where["node"] is None:
@@ -91,9 +98,9 @@ def locate_overflow(model: nn.Module, replay) -> OverflowReport | None:
     `replay()` runs the same forward and backward once more: same batch, same loss scale, same RNG state
     (restore it inside replay, e.g. under torch.random.fork_rng(), so the training's stream is untouched).
     The model, its graphs and the parameters' .grad are left as they were; this never raises."""
-    finder = _Finder()
-    parameters = list(model.named_parameters())
+    finder, parameters = _Finder(), []
     try:
+        parameters = list(model.named_parameters())
         with _checks_installed(model, finder), _grads_kept(parameters), _effects_undone(model):
             try:
                 replay()
@@ -318,8 +325,9 @@ class _ModuleChecks:
     def _check_inputs(self, path: str, module: nn.Module, args, kwargs) -> None:
         if self.finder.forward is not None:
             return
-        if not self.running:        # the model's own inputs: the batch was non-finite already
-            self.finder.saw_forward(self._place(path, module, "model input"), (args, kwargs))
+        if not self.running:        # called by the replay itself: the batch was non-finite already
+            found = "model input" if path == "" else "input from the replay"
+            self.finder.saw_forward(self._place(path, module, found), (args, kwargs))
             return
         first, rest = (args[:1], (args[1:], kwargs)) if args else ((), (args, kwargs))
         suspects = [first] + ([] if _only_negative_inf(rest) else [rest])   # a -inf mask argument is no overflow
@@ -442,6 +450,13 @@ class _grads_kept:
 
 
 def _precision_of(model: nn.Module) -> str:
+    try:
+        return _low_dtype_name(model)
+    except Exception:  # noqa: BLE001 - only a label: the report must not fail for it
+        return "mixed-precision"
+
+
+def _low_dtype_name(model: nn.Module) -> str:
     conversions = _conversions(model)
     if conversions:
         name = str(conversions[0][1].config.low_dtype).removeprefix("torch.")
