@@ -104,31 +104,29 @@ class AmpTraining:
         state = self.scaler._optimizer_states.get(id(optimizer), {})
         return bool(state.get("found_inf")) and self.scaler.get_drop_overflow_update()
 
-    def report_skip(self, replay: Callable[[], Any] | None) -> None:
+    def report_skip(self, replay: Callable[[], Any] | None, forward_only: bool = False) -> None:
         """Log a skipped step; the first one is replayed through locate_overflow to say where it overflowed."""
         self.skipped_steps += 1
-        scale = self.scaler.get_scale()
+        what = (f"amp_compiler: inf/nan gradients, optimizer step skipped ({self.skipped_steps} skipped so far, "
+                f"loss scale {self.scaler.get_scale():g} before backing off)")
         if self.skipped_steps > 1 or replay is None:
-            _log_on_rank_zero(self.log, logging.WARNING,
-                              f"amp_compiler: inf/nan gradients, optimizer step skipped ({self.skipped_steps} "
-                              f"skipped so far, loss scale {scale:g} before backing off)")
+            _log_on_rank_zero(self.log, logging.WARNING, what)
             return
-        where = self.locate(replay)
-        self.log.warning(f"amp_compiler: inf/nan gradients, optimizer step skipped (1 skipped so far, loss "
-                         f"scale {scale:g} before backing off){_rank_prefix()}: {where}")
+        self.log.warning(f"{what}{_rank_prefix()}: {self.locate(replay, forward_only)}")
 
-    def locate(self, replay: Callable[[], Any]) -> str:
+    def locate(self, replay: Callable[[], Any], forward_only: bool) -> str:
         try:
             from amp_compiler.train.overflow_report import locate_overflow
-        except ImportError:   # OVERFLOW REPORT CALL SITE: lands with amp_compiler/train/overflow_report.py
+        except ImportError:   # OVERFLOW REPORT CALL SITE: amp_compiler/train/overflow_report.py not installed
             return "where it overflowed is not located (amp_compiler.train.overflow_report is not installed)"
         report = locate_overflow(self.model, replay)
-        if report is None:
-            return "the replayed step stayed finite on this rank (the overflow came from another rank, or " \
-                   "depends on state the replay does not restore)"
-        if hasattr(self.scaler, "record_overflow"):
-            self.scaler.record_overflow(report)
-        return str(report)
+        self.scaler.record_overflow(report)
+        if report is not None:
+            return str(report)
+        replayed = "forward (Fabric has no closure: the loss and backward are the user's)" if forward_only \
+            else "step"
+        return (f"the replayed {replayed} stayed finite on this rank (the overflow came from another rank, "
+                "or depends on state the replay does not restore)")
 
     def write_report(self) -> None:
         if self.report_html and self.model is not None and in_place_conversion(self.model) is not None \
@@ -243,7 +241,7 @@ class AmpFabricPrecision(ScalerHooks, FabricPrecision):
         _refuse_lbfgs(optimizer)
         step_output = self.scaler.step(optimizer, **kwargs)
         if self.amp.step_overflowed(optimizer):
-            self.amp.report_skip(self._forward_replay())
+            self.amp.report_skip(self._forward_replay(), forward_only=True)
         self.scaler.update()
         self.amp.after_step()
         return step_output

@@ -43,11 +43,11 @@ class TinyAttention(nn.Module):
 class Classifier(pl.LightningModule):
     """training_step calls self.model directly (the LightningModule's forward is never run)."""
 
-    def __init__(self, inf_at_step: int | None = None, inf_on_rank: int = 0):
+    def __init__(self, inf_at_step: int | None = None, inf_on_rank: int = 0, injected: float = float("inf")):
         super().__init__()
         torch.manual_seed(0)
         self.model = TinyAttention()
-        self.inf_at_step, self.inf_on_rank = inf_at_step, inf_on_rank
+        self.inf_at_step, self.inf_on_rank, self.injected = inf_at_step, inf_on_rank, injected
         self.recorder: AtenDtypeRecorder | None = None
         self.losses, self.params_changed, self.scales = [], [], []
 
@@ -55,7 +55,7 @@ class Classifier(pl.LightningModule):
         x, y = batch
         if self.global_step == self.inf_at_step and self.global_rank == self.inf_on_rank:
             x = x.clone()
-            x[0, 0, 0] = float("inf")
+            x[0, 0, 0] = self.injected
         recording = self.recorder if self.recorder is not None and batch_idx > 0 else None   # after capture
         with recording or _nothing():
             loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
@@ -133,16 +133,33 @@ def test_bf16_plugin_trains_like_bf16_mixed_with_matmuls_low_and_norms_fp32(amp_
     assert len(summaries) == 1 and "bfloat16" in summaries[0]
 
 
-def test_fp16_inf_skips_that_step_backs_the_scale_off_and_is_logged(amp_log):
-    module = Classifier(inf_at_step=1)
+def test_fp16_overflow_skips_that_step_backs_the_scale_off_and_says_where(amp_log):
+    # 1e6 is finite in fp32 and past fp16's 65504: the graph's cast of the input to fp16 overflows
+    module = Classifier(inf_at_step=1, injected=1e6)
     plugin = AmpPrecision("O1", dtype=torch.float16, scaler=amp_compiler.GradScaler(init_scale=2.0 ** 10))
-    fit(module, plugins=[plugin])
+    fit(module, plugins=[plugin], max_steps=4)
 
-    assert module.params_changed == [True, False, True]
-    assert module.scales == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9]
+    assert module.params_changed == [True, False, True, True]
+    assert module.scales == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9, 2.0 ** 9]
     skipped = [r.getMessage() for r in amp_log if "step skipped" in r.getMessage()]
     assert len(skipped) == 1 and "1 skipped so far" in skipped[0] and "1024" in skipped[0]
+    report = plugin.scaler.last_overflow_report
+    assert report is not None and report.forward["part"] == "model" and report.forward["node"] is not None
+    assert report.forward["dtype"] == "float16" and str(report) in skipped[0]
     assert plugin.amp.skipped_steps == 1
+
+
+def test_later_skipped_steps_log_only_the_count(amp_log):
+    class AlwaysInf(Classifier):
+        def training_step(self, batch, batch_idx):
+            self.inf_at_step = self.global_step
+            return super().training_step(batch, batch_idx)
+
+    plugin = AmpPrecision(dtype=torch.float16, scaler=amp_compiler.GradScaler(init_scale=2.0 ** 10))
+    fit(AlwaysInf(), plugins=[plugin])
+    skipped = [r.getMessage() for r in amp_log if "step skipped" in r.getMessage()]
+    assert [f"{n} skipped so far" in line for n, line in enumerate(skipped, 1)] == [True] * STEPS
+    assert "model input" in skipped[0] and all("overflowed" not in line for line in skipped[1:])
 
 
 def test_gradient_clipping_sees_unscaled_gradients():
@@ -246,6 +263,7 @@ def test_fabric_fp16_skips_the_inf_step_and_checkpoints_the_scaler(amp_log):
     assert changed == [True, False, True]
     assert plugin.scaler.get_scale() == 2.0 ** 9
     assert sum("step skipped" in r.getMessage() for r in amp_log) == 1
+    assert plugin.scaler.last_overflow_report.forward["found"] == "model input"   # the forward replayed
     fresh = AmpFabricPrecision(dtype=torch.float16)
     fresh.load_state_dict(plugin.state_dict())
     assert fresh.scaler.get_scale() == 2.0 ** 9
