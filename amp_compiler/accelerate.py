@@ -93,8 +93,13 @@ def checked_scaler(scaler: LossScaleManager | None, dtype: torch.dtype) -> LossS
 
 def convert_once(model: nn.Module, level: str, dtype: torch.dtype, convert_options: dict) -> None:
     """Convert in place, unless the model already is (a second prepare or Trainer keeps its conversion)."""
-    if in_place_conversion(model) is None:
+    conversion = in_place_conversion(model)
+    if conversion is None:
         amp_compiler.convert(model, level, inplace=True, dtype=dtype, **convert_options)
+    elif conversion.config.low_dtype != dtype:   # fp16 graphs trained without a scaler, or bf16 ones with one
+        raise ValueError(f"the model is already converted in place to {conversion.config.low_dtype}, but "
+                         f"dtype={dtype} was asked for: pass dtype={conversion.config.low_dtype}, or "
+                         "amp_compiler.restore(model) first")
 
 
 def install_scaler(accelerator, scaler: LossScaleManager) -> None:
@@ -156,23 +161,24 @@ def explain_overflow(accelerator, model: nn.Module, compute_loss: Callable[[], t
     def replay():
         (compute_loss().float() * scale).backward()
     with torch.random.fork_rng(devices=[]):
-        return locate_and_record(accelerator.unwrap_model(model), replay, scaler)
+        return locate_and_record(accelerator.unwrap_model(model), replay, scaler, log)
 
 
-def locate_and_record(model: nn.Module, replay: Callable[[], Any], scaler: LossScaleManager):
+def locate_and_record(model: nn.Module, replay: Callable[[], Any], scaler: LossScaleManager,
+                      logger: logging.Logger):
     """locate_overflow(model, replay); the report is logged once here and recorded on the scaler."""
     try:
         from amp_compiler.train.overflow_report import locate_overflow
     except ImportError:   # OVERFLOW REPORT CALL SITE: amp_compiler/train/overflow_report.py not installed
-        log.warning("amp_compiler: fp16 step skipped (inf/nan gradients); where it overflowed is not located "
+        logger.warning("amp_compiler: fp16 step skipped (inf/nan gradients); where it overflowed is not located "
                     "(amp_compiler.train.overflow_report is not installed)")
         return None
     report = locate_overflow(model, replay)
     if report is None:
-        log.warning("amp_compiler: fp16 step skipped, but its replay stayed finite (the overflow depends on "
+        logger.warning("amp_compiler: fp16 step skipped, but its replay stayed finite (the overflow depends on "
                     "state the replay does not restore, e.g. dropout masks)")
         return None
     if hasattr(scaler, "record_overflow"):
         scaler.record_overflow(report)
-    log.warning(f"amp_compiler: fp16 step skipped (loss scale {scaler.get_scale():g} after backing off): {report}")
+    logger.warning(f"amp_compiler: fp16 step skipped (loss scale {scaler.get_scale():g} after backing off): {report}")
     return report

@@ -92,7 +92,8 @@ class AmpTrainerMixin:
         def replay():   # the Trainer's own training_step, scaled as the skipped step was
             with _rng_restored(rng), _scaled_by(self.accelerator, scale):
                 super(AmpTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
-        self.amp_overflow_report = locate_and_record(self.accelerator.unwrap_model(model), replay, self.amp_scaler)
+        self.amp_overflow_report = locate_and_record(self.accelerator.unwrap_model(model), replay,
+                                                     self.amp_scaler, log)
 
 
 class AmpTrainer(AmpTrainerMixin, Trainer):

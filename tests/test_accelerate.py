@@ -105,7 +105,7 @@ def test_fp16_skips_the_overflowing_step_says_where_and_checkpoints_the_scaler(t
     assert scaler.state_dict() == saved and scaler.get_scale() == 2.0 ** 15
 
 
-def test_accelerates_own_mixed_precision_and_a_wrong_scaler_are_refused():
+def test_accelerates_own_mixed_precision_a_wrong_scaler_and_another_dtype_are_refused():
     model = tiny_bert()
     with pytest.raises(ValueError, match='mixed_precision="no"'):
         amp_accelerate.prepare(Accelerator(mixed_precision="bf16", cpu=True), model, sgd(model))
@@ -114,3 +114,6 @@ def test_accelerates_own_mixed_precision_and_a_wrong_scaler_are_refused():
         amp_accelerate.prepare(Accelerator(mixed_precision="no", cpu=True), model, sgd(model),
                                dtype=torch.bfloat16, scaler=amp_compiler.GradScaler())
     assert "_amp_in_place" not in model.__dict__
+    amp_compiler.convert(model, "O1", inplace=True, dtype=torch.float16)   # lazy: nothing captured yet
+    with pytest.raises(ValueError, match="already converted in place to torch.float16"):
+        amp_accelerate.prepare(Accelerator(mixed_precision="no", cpu=True), model, sgd(model), dtype=torch.bfloat16)

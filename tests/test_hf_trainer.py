@@ -4,6 +4,7 @@ References: the plain Trainer in fp32 on the same weights and batches (SGD, no d
 directly), the uninterrupted fp16 run for resume_from_checkpoint, and a plain from_pretrained for save_model."""
 from __future__ import annotations
 
+import inspect
 import logging
 
 import pytest
@@ -31,11 +32,10 @@ def tiny_bert(seed: int = 0) -> BertForSequenceClassification:
 
 
 def examples(count: int = 32, seed: int = 1) -> list[dict]:
-    """A list of dicts, as a datasets-free train_dataset; "note" is a column the model does not take (the
-    Trainer drops it by reading model.forward's signature: the in-place conversion must keep it)."""
+    """A list of dicts, as a datasets-free train_dataset."""
     generator = torch.Generator().manual_seed(seed)
     return [{"input_ids": torch.randint(1, 64, (8,), generator=generator),
-             "labels": int(torch.randint(0, 3, (), generator=generator)), "note": "unused"} for _ in range(count)]
+             "labels": int(torch.randint(0, 3, (), generator=generator))} for _ in range(count)]
 
 
 @pytest.fixture(autouse=True)
@@ -90,6 +90,8 @@ def test_bf16_trains_like_fp32_with_matmuls_low_and_saves_a_plain_model(tmp_path
     trainer.train()
 
     assert trainer.model is model and trainer.accelerator.scaler is None     # no autocast, no scaler under bf16
+    # the Trainer keeps the dataset columns model.forward's signature names: the conversion kept it
+    assert inspect.signature(model.forward) == inspect.signature(BertForSequenceClassification.forward.__get__(model))
     assert record.recorder.input_dtypes(*LOW_OPS) == {torch.bfloat16}
     assert record.recorder.input_dtypes(*FP32_OPS) == {torch.float32}
     ours, theirs = weights(model), weights(reference.model)
@@ -111,8 +113,12 @@ def test_fp16_skips_overflowing_steps_says_where_and_resumes_with_the_scalers_st
     model = tiny_bert()
     uninterrupted = AmpTrainer(model=model, args=arguments(tmp_path, save_strategy="steps", save_steps=2),
                                train_dataset=data, amp_dtype=torch.float16, amp_scaler=_scaler())
-    with caplog.at_level(logging.WARNING):
+    trainer_log = logging.getLogger("transformers.amp_compiler")   # transformers' loggers do not propagate
+    trainer_log.addHandler(caplog.handler)
+    try:
         uninterrupted.train()
+    finally:
+        trainer_log.removeHandler(caplog.handler)
     final_weights, final_scaler = weights(model), uninterrupted.amp_scaler.state_dict()
     assert final_scaler["loss_scale"] == 2.0 ** 10 and final_scaler["clean_steps"] == 3
     assert uninterrupted.amp_skipped_steps == 1
