@@ -12,6 +12,7 @@ its calls by shape from then on and captures again (within the same limit).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from dataclasses import dataclass, field
@@ -55,7 +56,12 @@ class Part:
         return self.path or type(self.module).__name__
 
     def original(self):
-        return self.own_forward if self.own_forward is not None else type(self.module).forward.__get__(self.module)
+        if self.own_forward is not None:
+            return self.own_forward
+        forward = type(self.module).forward
+        if torch.compiler.is_compiling():   # dynamo reads forward.__get__(module) as module.forward: the part again
+            return functools.partial(forward, self.module)
+        return forward.__get__(self.module)
 
     def __getstate__(self):
         # torch.save(model) keeps the conversion's choices, not its graphs: the loaded model captures again
@@ -92,9 +98,13 @@ class Part:
 
     def _as_written(self, key, reason: str, args, kwargs):
         if key not in self.as_written:
-            self.as_written[key] = reason
-            self._children_become_parts()
+            self._record_as_written(key, reason)
         return self.original()(*args, **kwargs)
+
+    @torch.compiler.disable   # makes parts (instance forwards): eager under torch.compile, a break on this call only
+    def _record_as_written(self, key, reason: str):
+        self.as_written[key] = reason
+        self._children_become_parts()
 
     def _children_become_parts(self):
         if self.children_are_parts:
@@ -108,6 +118,9 @@ class Part:
             elif any(True for _ in child.parameters()):   # parameterless children hold nothing to cast
                 self.conversion.add_part(child, f"{self.path}.{name}" if self.path else name)
 
+    # Under torch.compile a capture (fx tracing, compile_graph) runs eagerly: dynamo breaks the graph on the
+    # call that captures only; the calls after it find the graph and trace through it (no break).
+    @torch.compiler.disable
     def _capture_and_run(self, key, tensors, args, kwargs):
         if self.captures >= CAPTURE_LIMIT:
             reason = f"captured {CAPTURE_LIMIT} times already (calls differ in {self._differences()})"
