@@ -38,7 +38,6 @@ from amp_compiler.passes.node_facts import facts
 
 MODEL = "<model>"                 # how a report prints the model itself (module path "")
 SHORT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
-INPUTS = ("model input", "input from the replay")   # a non-finite value no module of the model made
 PARAMETERS_SHOWN = 3              # str(report) names this many non-finite parameter gradients
 
 
@@ -78,7 +77,7 @@ class OverflowReport:
 def _forward_line(where: dict | None) -> str:
     if where is None:
         return "every checked forward value stayed finite"
-    if where["found"] in INPUTS:
+    if where["found"] == "model input":   # a non-finite value no module of the model made
         return f"the input of module '{where['module'] or MODEL}' ({where['op']}) was {where['value']} already " \
                f"({where['found']}: check the batch)"
     return f"forward value of {_place(where)} became {where['value']}"
@@ -325,9 +324,8 @@ class _ModuleChecks:
     def _check_inputs(self, path: str, module: nn.Module, args, kwargs) -> None:
         if self.finder.forward is not None:
             return
-        if not self.running:        # called by the replay itself: the batch was non-finite already
-            found = "model input" if path == "" else "input from the replay"
-            self.finder.saw_forward(self._place(path, module, found), (args, kwargs))
+        if not self.running:        # called by the replay itself (the model, a LightningModule's child): the
+            self.finder.saw_forward(self._place(path, module, "model input"), (args, kwargs))   # batch, non-finite
             return
         first, rest = (args[:1], (args[1:], kwargs)) if args else ((), (args, kwargs))
         suspects = [first] + ([] if _only_negative_inf(rest) else [rest])   # a -inf mask argument is no overflow
