@@ -310,3 +310,34 @@ def test_a_wrapper_put_on_the_forward_after_conversion_still_reaches_the_part():
         out = model(x)
     assert parts(model)[""].captures == 1 and recorder.input_dtypes("addmm") == {BF16}
     assert torch.allclose(out, nn.Linear.forward(model, x), rtol=0.02, atol=0.02)
+
+
+class Middle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.branchy = DataDependent()
+
+    def forward(self, x):
+        return self.branchy(self.proj(x))
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.middle = Middle()
+
+    def forward(self, x):
+        return self.middle(x)
+
+
+def test_an_untraceable_grandchild_leaves_the_rest_of_the_part_a_graph():
+    # fx left the failed grandchild on its module stack: the whole part failed with "Unexpected key"
+    model = amp_compiler.convert(Outer(), "O1", dtype=BF16, inplace=True)
+    x = torch.randn(4, 16)
+    out = model(x)
+    root = parts(model)[""]
+    assert root.graphs and not root.as_written
+    (graph,) = [g for graphs in root.graphs.values() for g in graphs]
+    assert "inner.middle.branchy" in graph.gm.meta["amp"]["opaque"]
+    assert torch.allclose(out, Outer.forward(model, x), rtol=0.05, atol=0.05)

@@ -99,12 +99,14 @@ class AmpTracer(fx.Tracer):
 
     def _try_or_opaque(self, attempt, callee, where: str, args, kwargs):
         last = self.graph._root.prev  # the newest node: everything after it belongs to this attempt
-        reads = len(self.training_reads)
+        reads, depth = len(self.training_reads), len(self.module_stack)
         try:
             return attempt()
         except Exception as error:  # noqa: BLE001 - any failure inside means: run this part as written
             _erase_after(self.graph, last)
             del self.training_reads[reads:]   # it runs as written: it follows train()/eval() itself
+            while len(self.module_stack) > depth:   # fx pops a module's entry only when its call returns
+                self.module_stack.popitem(last=True)
             why = f"torch.fx cannot trace it: {type(error).__name__}: {str(error).splitlines()[0][:120]}" \
                   f"{user_frame(error)}"
             return self.opaque_call(callee, where, why, args, kwargs)
