@@ -36,6 +36,20 @@ class InPlaceConversion:
     # masters): a capture sees fp32 copies of them, so the graph is the one convert() builds for the fp32
     # model, and its casts of the weights are no-ops at run time
     weights_cast_low: bool = False
+    # freeze: one value comparison per model call for all frozen graphs (amp_compiler.frozen.JoinedValueCheck)
+    values_checked: object = None
+    calling: bool = False         # a model call is running: a part called now is nested in it
+
+    def before_outermost_call(self) -> None:
+        """Once per model call, before any part runs: the frozen copies whose weights' values changed go."""
+        if self.values_checked is not None:
+            self.values_checked.check()
+
+    def _joined_check(self):
+        if self.values_checked is None:
+            from amp_compiler.frozen import JoinedValueCheck   # frozen imports this module
+            self.values_checked = JoinedValueCheck()
+        return self.values_checked
 
     def add_part(self, module: nn.Module, path: str) -> Part:
         own = module.__dict__.get("forward")
@@ -74,7 +88,7 @@ class InPlaceConversion:
         self.captured += 1
         gm.meta["amp"]["capture"] = self.captured
         if self.freeze:
-            _freeze_graph(gm, part.module.training, self.sample_values)
+            _freeze_graph(gm, part.module.training, self.sample_values, self._joined_check())
         return Graph(gm, watched, low_node_count(gm))
 
     def freeze_graphs(self, sample_values: bool = True) -> None:
@@ -83,7 +97,8 @@ class InPlaceConversion:
         for part in self.parts.values():
             for key, graphs in part.graphs.items():
                 for graph in graphs:
-                    _freeze_graph(graph.gm, key[0], sample_values)   # key[0]: the module's training flag
+                    # key[0]: the module's training flag
+                    _freeze_graph(graph.gm, key[0], sample_values, self._joined_check())
 
     def graph_modules(self) -> list:
         return [graph.gm for part in self.parts.values() for graphs in part.graphs.values() for graph in graphs]
@@ -129,11 +144,14 @@ def _called_modules_flags(gm: nn.Module, module: nn.Module) -> list:
     return [(module.get_submodule(path), module.get_submodule(path).training) for path in sorted(called)]
 
 
-def _freeze_graph(gm, training: bool, sample_values: bool) -> None:
+def _freeze_graph(gm, training: bool, sample_values: bool, values_checked) -> None:
     from amp_compiler.frozen import HOLDER, freeze
     if not hasattr(gm, HOLDER):
         freeze(gm, sample_values=sample_values)
-        gm.get_submodule(HOLDER).train(training)   # the copies serve eval calls; gm.training is the capture's
+        holder = gm.get_submodule(HOLDER)
+        holder.train(training)   # the copies serve eval calls; gm.training is the capture's
+        if sample_values:        # compared once per model call with all the others, not on each graph's call
+            values_checked.add(holder)
 
 
 def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None, calibration_data=None,

@@ -69,6 +69,17 @@ class Part:
 
     # -- a call ----------------------------------------------------------------------------------------
     def call(self, args: tuple, kwargs: dict):
+        conversion = self.conversion
+        if conversion.calling:   # nested in a call of the model (or of another part)
+            return self._call(args, kwargs)
+        conversion.calling = True
+        try:
+            conversion.before_outermost_call()   # once per model call: frozen copies' values checked together
+            return self._call(args, kwargs)
+        finally:
+            conversion.calling = False
+
+    def _call(self, args: tuple, kwargs: dict):
         try:
             key, tensors = call_key(args, kwargs)
         except Uncapturable as kind:
