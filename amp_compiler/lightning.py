@@ -49,6 +49,7 @@ from lightning.pytorch.plugins.precision import Precision
 import amp_compiler
 from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.train.loss_scale import LossScaleManager
+from amp_compiler.train.overflow_report import locate_overflow
 
 LOW_DTYPES = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
 SUMMARY_LINES = 6      # explain()'s opening lines logged at fit start: header, nodes, parts
@@ -115,10 +116,6 @@ class AmpTraining:
         self.log.warning(f"{what}{_rank_prefix()}: {self.locate(replay, forward_only)}")
 
     def locate(self, replay: Callable[[], Any], forward_only: bool) -> str:
-        try:
-            from amp_compiler.train.overflow_report import locate_overflow
-        except ImportError:   # OVERFLOW REPORT CALL SITE: amp_compiler/train/overflow_report.py not installed
-            return "where it overflowed is not located (amp_compiler.train.overflow_report is not installed)"
         report = locate_overflow(self.model, replay)
         self.scaler.record_overflow(report)
         if report is not None:

@@ -278,7 +278,8 @@ class RankRecorder(pl.Callback):
 
     def on_train_end(self, trainer, module):
         with open(f"{self.folder}/rank{trainer.global_rank}.json", "w") as file:
-            json.dump({"changed": module.params_changed, "scales": module.scales}, file)
+            json.dump({"changed": module.params_changed, "scales": module.scales,
+                       "report": str(trainer.precision_plugin.scaler.last_overflow_report)}, file)
 
 
 @pytest.mark.slow
@@ -295,3 +296,5 @@ def test_ddp_spawn_one_ranks_inf_skips_the_step_on_both(tmp_path, monkeypatch):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["changed"] == [True, False, True], (rank, seen)
         assert seen["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9], (rank, seen)
+        # each rank replayed the skipped step on its own batch: only rank 1's holds the inf
+        assert ("model input" in seen["report"]) == (rank == 1), (rank, seen)
