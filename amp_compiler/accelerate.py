@@ -43,6 +43,7 @@ from torch import nn
 import amp_compiler
 from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.train.loss_scale import LossScaleManager
+from amp_compiler.train.overflow_report import locate_overflow
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
 log = logging.getLogger("amp_compiler.accelerate")
@@ -56,6 +57,7 @@ def prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, *ot
     `amp_compiler.convert` (e.g. force_fp32=[...]); `scaler` (fp16 only) defaults to `amp_compiler.GradScaler()`.
     """
     refuse_builtin_mixed_precision(accelerator.mixed_precision, "Accelerator(mixed_precision=\"no\")")
+    refuse_deepspeed(accelerator)
     scaler = checked_scaler(scaler, dtype)
     _refuse_prepared_optimizer(optimizer)
     convert_once(model, level, dtype, convert_options)
@@ -72,6 +74,14 @@ def refuse_builtin_mixed_precision(mixed_precision: str, fix: str) -> None:
         raise ValueError(f"Accelerate's mixed_precision is {str(mixed_precision)!r}: amp_compiler converts the "
                          f"model itself, and Accelerate's autocast/GradScaler would run on top of it; use {fix} "
                          "and choose the precision with dtype=")
+
+
+def refuse_deepspeed(accelerator) -> None:
+    """DeepSpeed's engine runs backward and loss scaling itself: the installed scaler would never see the loss."""
+    from accelerate.utils import DistributedType
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise ValueError("DeepSpeed casts and scales the model itself (its fp16/bf16 config): amp_compiler's "
+                         "conversion is not supported under it; use DDP or FSDP, or DeepSpeed's own mixed precision")
 
 
 def checked_scaler(scaler: LossScaleManager | None, dtype: torch.dtype) -> LossScaleManager | None:
@@ -147,7 +157,7 @@ def _refuse_prepared_optimizer(optimizer) -> None:
 # -- where a skipped step overflowed --------------------------------------------------------------------------
 def explain_overflow(accelerator, model: nn.Module, compute_loss: Callable[[], torch.Tensor]):
     """Replay a skipped fp16 step and say where it went inf/nan: an OverflowReport (logged, and recorded on the
-    scaler), or None when the replay stayed finite or the overflow report is not available.
+    scaler), or None when the replay stayed finite.
 
     `compute_loss()` recomputes the skipped step's loss on the same batch (e.g. `lambda: model(**batch).loss`);
     its backward is run here with the scale that step used. Call it after `optimizer.step()` when
@@ -166,19 +176,11 @@ def explain_overflow(accelerator, model: nn.Module, compute_loss: Callable[[], t
 
 def locate_and_record(model: nn.Module, replay: Callable[[], Any], scaler: LossScaleManager,
                       logger: logging.Logger):
-    """locate_overflow(model, replay); the report is logged once here and recorded on the scaler."""
-    try:
-        from amp_compiler.train.overflow_report import locate_overflow
-    except ImportError:   # OVERFLOW REPORT CALL SITE: amp_compiler/train/overflow_report.py not installed
-        logger.warning("amp_compiler: fp16 step skipped (inf/nan gradients); where it overflowed is not located "
-                    "(amp_compiler.train.overflow_report is not installed)")
-        return None
-    report = locate_overflow(model, replay)
+    """locate_overflow(model, replay); the report is logged here and recorded on the scaler."""
+    report = scaler.record_overflow(locate_overflow(model, replay))   # None is recorded too: no stale report
     if report is None:
         logger.warning("amp_compiler: fp16 step skipped, but its replay stayed finite (the overflow depends on "
-                    "state the replay does not restore, e.g. dropout masks)")
+                       "state the replay does not restore, e.g. dropout masks)")
         return None
-    if hasattr(scaler, "record_overflow"):
-        scaler.record_overflow(report)
     logger.warning(f"amp_compiler: fp16 step skipped (loss scale {scaler.get_scale():g} after backing off): {report}")
     return report

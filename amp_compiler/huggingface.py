@@ -34,7 +34,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from amp_compiler.accelerate import (checked_scaler, convert_once, install_scaler, locate_and_record,
-                                     refuse_builtin_mixed_precision)
+                                     refuse_builtin_mixed_precision, refuse_deepspeed)
 from amp_compiler.train.loss_scale import LossScaleManager
 
 log = logging.getLogger("transformers.amp_compiler")
@@ -66,6 +66,7 @@ class AmpTrainerMixin:
         super().create_accelerator_and_postprocess()   # also called again by auto_find_batch_size
         refuse_builtin_mixed_precision(self.accelerator.mixed_precision,
                                        "TrainingArguments(bf16=False, fp16=False) with AmpTrainer")
+        refuse_deepspeed(self.accelerator)
         if self.amp_scaler is not None:
             install_scaler(self.accelerator, self.amp_scaler)
 

@@ -95,7 +95,7 @@ def test_fp16_skips_the_overflowing_step_says_where_and_checkpoints_the_scaler(t
     assert skipped == [False, True, False] and accelerator.optimizer_step_was_skipped is False
     assert scales == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15]
     assert abs(norms[0] - float(fp32_norm)) < 0.02 * float(fp32_norm)   # clipping saw unscaled gradients
-    assert report is not None and report.forward["module"] == "classifier"
+    assert report is not None and report.forward["module"] == "classifier" and scaler.last_overflow_report is report
 
     accelerator.save_state(tmp_path)
     saved = scaler.state_dict()

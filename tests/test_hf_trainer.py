@@ -127,6 +127,7 @@ def test_fp16_skips_overflowing_steps_says_where_and_resumes_with_the_scalers_st
     assert len(norms) == 4 and all(0 < norm < 20 for norm in norms[1:])
     report = uninterrupted.amp_overflow_report   # fp16 gradients overflowed, nearest the loss in the classifier
     assert report is not None and report.forward is None and report.backward["module"] == "classifier"
+    assert uninterrupted.amp_scaler.last_overflow_report is report
     assert str(report).splitlines()[0] in caplog.text
     checkpoint = tmp_path / "checkpoint-2"
     assert torch.load(checkpoint / "scaler.pt")["loss_scale"] == 2.0 ** 10
