@@ -25,12 +25,14 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from amp_compiler.convert import convert
 from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 from amp_compiler.train.scale_arguments import checked_scale
 
 LOW = (torch.float16, torch.bfloat16)
-NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)   # kept fp32 at O2 (keep_batchnorm_fp32)
+# kept fp32 at O2 with keep_batchnorm_fp32 (Apex keeps batch norms only; the graphs run these as mixed kernels)
+NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 APEX_INIT_SCALE = 2.0 ** 16     # Apex's LossScaler starts here (min with max_loss_scale)
 APEX_MAX_SCALE = 2.0 ** 24
 
@@ -230,8 +232,8 @@ def _refuse_low_parameters(model: nn.Module) -> None:
 def _convert(model: nn.Module, properties: Properties) -> None:
     if properties.opt_level == "O0":
         return   # fp32 as written
-    from amp_compiler.convert import convert   # convert imports the in-place conversion, which imports nothing here
-    overrides = {} if properties.keep_batchnorm_fp32 is None else {"keep_batchnorm_fp32": properties.keep_batchnorm_fp32}
+    keep_norms = properties.keep_batchnorm_fp32
+    overrides = {} if keep_norms is None else {"keep_batchnorm_fp32": keep_norms}
     convert(model, properties.opt_level, inplace=True, dtype=properties.low_dtype, **overrides)
     if properties.cast_weights:
         in_place_conversion(model).weights_cast_low = True   # captures see them fp32
