@@ -133,6 +133,25 @@ def test_bf16_plugin_trains_like_bf16_mixed_with_matmuls_low_and_norms_fp32(amp_
     assert len(summaries) == 1 and "bfloat16" in summaries[0]
 
 
+class CallsItsForward(Classifier):
+    def forward(self, x):
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+
+def test_a_training_step_calling_self_runs_the_lightning_modules_own_graph():
+    reference, converted = CallsItsForward(), CallsItsForward()
+    fit(reference)
+    fit(converted, plugins=[AmpPrecision()])
+    graphs = str(amp_compiler.explain(converted)).split("graphs", 1)[1].splitlines()[0]
+    assert "(top level)" in graphs and "model" not in graphs   # the child ran inside the root's graph
+    for ours, theirs in zip(converted.parameters(), reference.parameters()):
+        assert not torch.equal(ours, theirs) and torch.allclose(ours, theirs, atol=2e-2, rtol=0)
+
+
 def test_fp16_overflow_skips_that_step_backs_the_scale_off_and_says_where(amp_log):
     # 1e6 is finite in fp32 and past fp16's 65504: the graph's cast of the input to fp16 overflows
     module = Classifier(inf_at_step=1, injected=1e6)
