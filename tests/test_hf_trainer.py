@@ -150,3 +150,10 @@ def test_the_trainers_own_mixed_precision_is_refused(tmp_path, flag):
     with pytest.raises(ValueError, match=f"{flag}=False"):
         AmpTrainer(model=model, args=arguments(tmp_path, **{flag: True}), amp_dtype=torch.bfloat16)
     assert "_amp_in_place" not in model.__dict__   # refused before converting anything
+
+
+def test_a_model_init_model_is_converted_when_the_trainer_builds_it(tmp_path):
+    trainer = AmpTrainer(model_init=lambda: tiny_bert(), args=arguments(tmp_path), amp_dtype=torch.float16)
+    conversion = trainer.model.__dict__.get("_amp_in_place")
+    assert conversion is not None and conversion.config.low_dtype == torch.float16
+    assert isinstance(trainer.accelerator.scaler, amp_compiler.GradScaler)
