@@ -573,3 +573,27 @@ def test_tiny_llama_trains_at_o2_like_fp32():
         assert loss.item() == pytest.approx(expected.item(), rel=5e-3)
     graphs = [path for path, part in model._amp_in_place.parts.items() if part.graphs]
     assert "lm_head" in graphs and "model.layers.0.mlp" in graphs
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_delay_unscale_accumulates_scaled_gradients_for_the_next_scale_loss(level):
+    """Apex's delay_unscale: the first backward's gradients stay scaled and the second scale_loss unscales
+    both; the masters' gradients are the plain sum of both losses' gradients."""
+    x = torch.ones(2)
+    reference = ApexModel(1)
+    (reference(x) + 2 * reference(x)).backward()
+    model = ApexModel(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.25)
+    amp_compiler.initialize(model, optimizer, opt_level=level, verbosity=0)
+    set_scales(4.0)
+    optimizer.zero_grad()
+    with amp_compiler.scale_loss(model(x), optimizer, delay_unscale=True) as scaled:
+        scaled.backward()
+    if level == "O2":   # nothing unscaled into the masters yet
+        assert all(m.grad is None for m in amp_compiler.master_params(optimizer))
+    else:   # d(sum x * w0 * w1)/d w0 = w1, still times the scale
+        assert torch.equal(model.weight0.grad, 4 * model.weight1.detach())
+    with amp_compiler.scale_loss(2 * model(x), optimizer) as scaled:
+        scaled.backward()
+    for master, param in zip(amp_compiler.master_params(optimizer), reference.parameters()):
+        assert torch.equal(master.grad, param.grad)
