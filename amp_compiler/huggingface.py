@@ -5,7 +5,9 @@
     trainer.train()
 
 Everything else is the Trainer's: gradient accumulation, clipping, evaluation, save_model, checkpoints and
-resume_from_checkpoint. `class MyTrainer(AmpTrainerMixin, SFTTrainer)` does the same for a Trainer subclass.
+resume_from_checkpoint. `class MyTrainer(AmpTrainerMixin, SFTTrainer)` does the same for a Trainer subclass;
+`Trainer(..., callbacks=[AmpCallback("O1", dtype=torch.bfloat16)])` does bf16 with the Trainer class unchanged
+(a callback cannot reach the accelerator, so it cannot scale an fp16 loss: AmpTrainer does fp16).
 
 - The model is converted IN PLACE (`amp_compiler.convert(model, amp_level, inplace=True, dtype=amp_dtype)`), so
   it keeps its class, `forward` signature (the Trainer reads `inspect.signature(model.forward)` to keep the
@@ -99,6 +101,29 @@ class AmpTrainerMixin:
 
 class AmpTrainer(AmpTrainerMixin, Trainer):
     """`transformers.Trainer` training amp_compiler's converted model: see the module docstring."""
+
+
+class AmpCallback(TrainerCallback):
+    """`Trainer(..., callbacks=[AmpCallback("O1", dtype=torch.bfloat16)])`: bf16 with the Trainer class unchanged.
+
+    Converts the Trainer's model in place when the Trainer is built (on_init_end). bf16 only: fp16 needs the
+    loss scaled inside `accelerator.backward`, and callbacks are not given the accelerator; use AmpTrainer (or
+    AmpTrainerMixin) for fp16, and for `model_init=` models (the Trainer does not give callbacks the model it
+    builds in train())."""
+
+    def __init__(self, level: str = "O1", dtype: torch.dtype = torch.bfloat16, **convert_options: Any) -> None:
+        if dtype != torch.bfloat16:
+            raise ValueError(f"AmpCallback trains bf16 only (dtype={dtype!r}): fp16 needs loss scaling inside "
+                             "accelerator.backward, which a callback cannot reach; use "
+                             "AmpTrainer(..., amp_dtype=torch.float16) instead of Trainer(...)")
+        self.level, self.dtype, self.convert_options = level, dtype, convert_options
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        _refuse_trainer_mixed_precision(args)
+        if model is None:
+            raise ValueError("AmpCallback found no model when the Trainer was built (model_init=?): use "
+                             "AmpTrainer(model_init=..., amp_dtype=torch.bfloat16), which converts the model it builds")
+        convert_once(model, self.level, self.dtype, self.convert_options)
 
 
 class _SkippedStepWatch(TrainerCallback):

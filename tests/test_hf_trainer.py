@@ -14,7 +14,7 @@ from transformers import (BertConfig, BertForSequenceClassification, Trainer, Tr
                           TrainingArguments)
 
 import amp_compiler
-from amp_compiler.huggingface import AmpTrainer
+from amp_compiler.huggingface import AmpCallback, AmpTrainer
 from amp_testing import AtenDtypeRecorder
 
 pytestmark = pytest.mark.real_models
@@ -77,7 +77,8 @@ class RecordStep(TrainerCallback):
             self.recorder.__exit__(None, None, None)
 
 
-def test_bf16_trains_like_fp32_with_matmuls_low_and_saves_a_plain_model(tmp_path):
+@pytest.mark.parametrize("way", ["AmpTrainer", "AmpCallback"])
+def test_bf16_trains_like_fp32_with_matmuls_low_and_saves_a_plain_model(tmp_path, way):
     data = examples()
     reference = Trainer(model=tiny_bert(), args=arguments(tmp_path / "fp32"), train_dataset=data,
                         eval_dataset=data[:8])
@@ -85,8 +86,12 @@ def test_bf16_trains_like_fp32_with_matmuls_low_and_saves_a_plain_model(tmp_path
     record = RecordStep(step=2)   # after the first step captured the graphs
     model = tiny_bert()
     start = weights(model)
-    trainer = AmpTrainer(model=model, args=arguments(tmp_path / "bf16"), train_dataset=data, eval_dataset=data[:8],
-                         callbacks=[record], amp_dtype=torch.bfloat16)
+    if way == "AmpTrainer":
+        trainer = AmpTrainer(model=model, args=arguments(tmp_path / "bf16"), train_dataset=data,
+                             eval_dataset=data[:8], callbacks=[record], amp_dtype=torch.bfloat16)
+    else:
+        trainer = Trainer(model=model, args=arguments(tmp_path / "bf16"), train_dataset=data, eval_dataset=data[:8],
+                          callbacks=[record, AmpCallback("O1", dtype=torch.bfloat16)])
     trainer.train()
 
     assert trainer.model is model and trainer.accelerator.scaler is None     # no autocast, no scaler under bf16
@@ -149,7 +154,14 @@ def test_the_trainers_own_mixed_precision_is_refused(tmp_path, flag):
     model = tiny_bert()
     with pytest.raises(ValueError, match=f"{flag}=False"):
         AmpTrainer(model=model, args=arguments(tmp_path, **{flag: True}), amp_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"{flag}=False"):
+        Trainer(model=model, args=arguments(tmp_path, **{flag: True}), callbacks=[AmpCallback()])
     assert "_amp_in_place" not in model.__dict__   # refused before converting anything
+
+
+def test_the_callback_refuses_fp16_and_names_amp_trainer():
+    with pytest.raises(ValueError, match="AmpTrainer"):
+        AmpCallback("O1", dtype=torch.float16)
 
 
 def test_a_model_init_model_is_converted_when_the_trainer_builds_it(tmp_path):
