@@ -263,12 +263,12 @@ def fabric_losses(plugin_or_precision, inf_at_step=None):
         optimizer.zero_grad()
         losses.append(loss.item())
         changed.append(any(not torch.equal(a, p) for a, p in zip(before, model.parameters())))
-    return losses, changed, model
+    return losses, changed, model, fabric
 
 
 def test_fabric_bf16_trains_like_bf16_mixed(amp_log):
-    reference, _, _ = fabric_losses("bf16-mixed")
-    losses, changed, model = fabric_losses(AmpFabricPrecision("O1", dtype=torch.bfloat16))
+    reference, *_ = fabric_losses("bf16-mixed")
+    losses, changed, model, _ = fabric_losses(AmpFabricPrecision("O1", dtype=torch.bfloat16))
     for ours, theirs in zip(losses, reference):
         assert abs(ours - theirs) <= 2e-2 * abs(theirs), (losses, reference)
     assert all(changed)
@@ -276,16 +276,18 @@ def test_fabric_bf16_trains_like_bf16_mixed(amp_log):
     assert sum("amp-compiler report" in r.getMessage() for r in amp_log) == 1
 
 
-def test_fabric_fp16_skips_the_inf_step_and_checkpoints_the_scaler(amp_log):
+def test_fabric_fp16_skips_the_inf_step_and_checkpoints_the_scaler(amp_log, tmp_path):
     plugin = AmpFabricPrecision("O1", dtype=torch.float16, scaler=amp_compiler.GradScaler(init_scale=2.0 ** 10))
-    _, changed, _ = fabric_losses(plugin, inf_at_step=1)
+    _, changed, _, fabric = fabric_losses(plugin, inf_at_step=1)
     assert changed == [True, False, True]
     assert plugin.scaler.get_scale() == 2.0 ** 9
     assert sum("step skipped" in r.getMessage() for r in amp_log) == 1
     assert plugin.scaler.last_overflow_report.forward["found"] == "model input"   # the forward replayed
+    # Fabric saves no precision state by itself: the plugin goes into the user's state like any stateful object
+    fabric.save(tmp_path / "run.ckpt", {"amp": plugin})
     fresh = AmpFabricPrecision(dtype=torch.float16)
-    fresh.load_state_dict(plugin.state_dict())
-    assert fresh.scaler.get_scale() == 2.0 ** 9
+    fabric.load(tmp_path / "run.ckpt", {"amp": fresh})
+    assert fresh.scaler.get_scale() == 2.0 ** 9 and fresh.scaler.state_dict() == plugin.scaler.state_dict()
 
 
 # -- ddp_spawn -------------------------------------------------------------------------------------------------
