@@ -178,11 +178,13 @@ def test_replay_leaves_grads_buffers_and_graphs_as_they_were():
     before = snapshot(model)
     stats = [b.clone() for b in model.buffers()]
     graphs = {id(gm) for gm in _graph_modules(model)}
+    captures = {path: part.captures for path, part in in_place_conversion(model).parts.items()}
     report = locate_overflow(model, replay_of(model, x))
     assert report is not None and report.forward["module"] == "2"
     assert_unchanged(model, before)
     assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers()))
     assert {id(gm) for gm in _graph_modules(model)} == graphs
+    assert {path: part.captures for path, part in in_place_conversion(model).parts.items()} == captures
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())   # zero cost after
 
 

@@ -279,17 +279,24 @@ def _checking_forward(gm: fx.GraphModule, finder: _Finder, part: str | None, com
 
 # --- modules run as written: inputs and outputs -------------------------------------------------------
 class _ModuleChecks:
-    """Forward hooks on every module: a module's non-finite output (or an input already non-finite when it
-    arrives: the enclosing module's own code, or the batch itself, made it) when no node has been named."""
+    """Forward hooks on every module that runs as itself: a module's non-finite output (or an input already
+    non-finite when it arrives: the enclosing module's own code, or the batch itself, made it) when no node
+    has been named. Modules inside a part's graph get none: the graph calls copies of them (its nodes are
+    checked instead), and a hook there would change what the graph was captured with (it would capture again)."""
 
-    def __init__(self, model: nn.Module, finder: _Finder, parts: dict):
-        self.finder, self.parts = finder, parts
+    def __init__(self, model: nn.Module, finder: _Finder):
+        self.model, self.finder = model, finder
         self.running: list = []        # paths of the modules whose forward is under way, innermost last
         self.modules = dict(model.named_modules())
+        self.parts: dict = {}
         self.handles: list = []
 
     def install(self) -> None:
+        self.parts = _parts(self.model)   # anew: a capture during the replay adds graphs and parts
+        inside = [path for path, part in self.parts.items() if part.graphs]
         for path, module in self.modules.items():
+            if any(path.startswith(f"{part}.") if part else path for part in inside):
+                continue
             self.handles += [module.register_forward_pre_hook(self._before(path, module), with_kwargs=True),
                              module.register_forward_hook(self._after(path, module), always_call=True)]
 
@@ -363,7 +370,7 @@ class _checks_installed:
             parts = _parts(self.model)
             for gm, part in _graphs(self.model, parts):
                 self._swap_forward(gm, part)
-            self.module_checks = _ModuleChecks(self.model, self.finder, parts)
+            self.module_checks = _ModuleChecks(self.model, self.finder)
             self.stack.callback(self.module_checks.remove)
             self.module_checks.install()
             for prefix, conversion in _conversions(self.model):
