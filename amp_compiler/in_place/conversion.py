@@ -10,6 +10,7 @@ the user's model: graphs and frozen copies live on the parts, outside the module
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 from torch import nn
@@ -63,6 +64,10 @@ class InPlaceConversion:
     def capture(self, part: Part, args: tuple, kwargs: dict, tensors: list) -> Graph:
         """Capture `part.module` called as (args, kwargs) and compile it with this conversion's config."""
         from amp_compiler.convert import compile_graph   # convert imports this module
+        sharded = _fsdp_sharded_submodule(part.module)
+        if sharded:   # one graph would inline it: FSDP2's hooks would never gather its parameters
+            raise TracingError(f"its submodule {sharded} is sharded with FSDP2 (fully_shard), which gathers the "
+                               "parameters around that module's own call: the submodule is a part of its own")
         inner = share_module_tree(part.module)
         # what the part runs as written, never a wrapper put on its forward since (it would call the part again)
         inner.__dict__.pop("forward", None)
@@ -115,6 +120,16 @@ class InPlaceConversion:
             if sample_key == key:   # calls like the one captured: same graph inputs
                 samples.append(tuple(sample_tensors))
         return samples
+
+
+def _fsdp_sharded_submodule(module: nn.Module) -> str | None:
+    """The path of a module below `module` that FSDP2's fully_shard manages, if any (the part itself may be one:
+    FSDP's hooks around the part's call gather its parameters into the dicts its graph reads)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")   # not imported: nothing can be sharded
+    sharded_type = getattr(fsdp, "FSDPModule", None)
+    if sharded_type is None:
+        return None
+    return next((path for path, child in module.named_modules() if path and isinstance(child, sharded_type)), None)
 
 
 def _read_live_tensors(gm: nn.Module, module: nn.Module) -> None:
