@@ -138,17 +138,13 @@ def test_numbered_parts_fold_into_one_line_per_reason():
     assert lines == ["  graphs (7): proj, layers.[0-5]"]
 
 
-def test_an_untraceable_child_runs_as_written_with_the_reason_and_its_child_is_a_graph():
+def test_an_untraceable_child_is_an_opaque_call_of_the_part_graph_named_under_the_users_path():
     model = converted(BranchInChild(), torch.randn(4, 16).abs())
     report = amp_compiler.explain(model)
-    parts = report.summary["parts"]
-    assert parts["branchy"]["status"] == "as written"
-    assert parts["branchy"]["reasons"][0].startswith("not captured: ")
-    assert parts["branchy.lin"] == {"status": "graph", "captures": 1, "graphs": 1, "reasons": []}
-    assert parts["head"]["status"] == "graph"
-    assert {row["module"] for row in report.rows if row["op"] == "linear"} == {"branchy.lin", "head"}
+    assert report.summary["parts"] == {"": {"status": "graph", "captures": 1, "graphs": 1, "reasons": []}}
+    assert {row["module"] for row in report.rows if row["op"] == "linear"} == {"head"}
     text = "\n".join(report.summary_lines())
-    assert "as written (1), not captured: TracingError: " in text and "parts: 2 graphs, 2 as written" in text
+    assert "opaque: branchy: torch.fx cannot trace it: TraceError" in text and "inner" not in text
 
 
 class Dropping(nn.Module):
