@@ -5,6 +5,7 @@
     with torch.inference_mode():
         gm(x)          # first call: casts the weights and keeps the copies; later calls cast no weight
     amp_compiler.frozen_bytes(gm)   # what the copies cost
+    amp_compiler.frozen.pack_linears(gm)   # CPU, bf16: linears read oneDNN-packed copies (faster, 2x the bytes)
 
 A copy is used only while it is still the weight's: same tensor object (load_state_dict(assign=True) or a
 new Parameter replace it), same version counter (optimizer steps, load_state_dict, in-place ops under
@@ -29,7 +30,7 @@ from torch import nn
 
 from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.passes.fx.freeze_weight_casts import freeze_weight_casts
-from amp_compiler.passes.fx.runtime import amp_cast
+from amp_compiler.passes.fx.runtime import amp_cast, amp_frozen_cast, graph_leaf
 
 HOLDER = "amp_frozen_weights"
 SAMPLES = 16   # values compared per call: catches writes through .data that scale, fill or copy the weight
@@ -43,14 +44,17 @@ class _Copy:
     sampled: torch.Tensor    # a strided view of the weight's values (aliases its storage)
     sample: torch.Tensor     # what those values were when `low` was made
     low: torch.Tensor
+    packed: torch.Tensor | None = None   # `low` in oneDNN's blocked layout (frozen_linear), made on first use
 
     @staticmethod
     def of(weight: torch.Tensor, dtype: torch.dtype) -> "_Copy":
         with torch.inference_mode(False), torch.no_grad():   # a normal tensor, also made under inference_mode
             low = weight.detach().to(dtype)
             sampled = _sampled_view(weight)
-            return _Copy(weakref.ref(weight), weight._version, (weight.data_ptr(), weight.shape), sampled,
+            copy = _Copy(weakref.ref(weight), weight._version, (weight.data_ptr(), weight.shape), sampled,
                          sampled.clone(), low)
+        _COPY_OF_LOW[id(low)] = copy
+        return copy
 
     def still_of(self, weight: torch.Tensor) -> bool:
         """Cheap checks, no device work; the sampled values are compared for all copies at once (check)."""
@@ -131,7 +135,8 @@ class FrozenWeights(nn.Module):
         return copy.low
 
     def nbytes(self) -> int:
-        return sum(c.low.numel() * c.low.element_size() for c in self._copies.values())
+        return sum(t.numel() * t.element_size() for c in self._copies.values()
+                   for t in (c.low, c.packed) if t is not None)
 
     def clear(self) -> None:
         self._copies.clear()
@@ -179,6 +184,77 @@ class JoinedValueCheck:
 
     def __getstate__(self):   # torch.save/deepcopy of the model: the copy's graphs are captured again
         return {"_holders": [], "_stamp": None, "_samples": []}
+
+
+# id(copy.low) -> the _Copy, while it lives: frozen_linear tells a frozen copy from any other low tensor
+_COPY_OF_LOW: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+@graph_leaf
+def frozen_linear(input, weight, bias=None):
+    """linear(input, weight, bias); when `weight` is a frozen bf16 copy on a CPU with oneDNN, its copy packed
+    in oneDNN's blocked layout (made once, dropped with the copy) runs instead: the same result bit for bit,
+    1.7x faster for a decode step's few rows (CPU, 1 thread, bf16: 512x512 17 vs 29 us, 1376x512 33 vs 57 us,
+    8000x512 124 vs 258 us at one row). Anything else (fp32 replays, training, torch.compile): plain linear."""
+    packed = _packed_copy(input, weight, bias)
+    if packed is None:
+        return torch._C._nn.linear(input, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(input, packed, bias, "none", [None], "")
+
+
+def _packed_copy(input, weight, bias) -> torch.Tensor | None:
+    copy = _COPY_OF_LOW.get(id(weight))
+    if (copy is None or copy.low is not weight or weight.dtype is not torch.bfloat16 or input.dtype is not weight.dtype
+            or (bias is not None and bias.dtype is not weight.dtype) or weight.device.type != "cpu"
+            or weight.dim() != 2 or input.dim() < 2 or input.requires_grad or torch.compiler.is_compiling()):
+        return None
+    if copy.packed is None:
+        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return None
+        with torch.inference_mode(False), torch.no_grad():
+            copy.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    return copy.packed
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Let the frozen graphs of `model` (convert(..., freeze=True) or freeze() results, or a model converted in
+    place and frozen: its part graphs, those captured later too) run their linears on oneDNN-packed copies of
+    the frozen bf16 weights, on CPU: a decode step of a 4x512 Llama (batch 1, 1 thread) 20% faster. The cost:
+    a second low-precision copy of each Linear weight (frozen_bytes counts it: 2x). Returns `model`."""
+    conversion = in_place_conversion(model)
+    if conversion is not None:
+        if not conversion.freeze:
+            raise TypeError("pack_linears() packs frozen weight copies; this in-place converted model is not frozen: "
+                            "convert it with freeze=True or call amp_compiler.freeze(model) first")
+        conversion.pack_linears = True
+        conversion.freeze_graphs(conversion.sample_values)   # packs the graphs captured so far
+        return model
+    graphs = [m for m in model.modules() if isinstance(m, fx.GraphModule) and hasattr(m, HOLDER)]
+    if not graphs:
+        raise TypeError(f"pack_linears() packs frozen weight copies; {type(model).__name__} holds no frozen graph: "
+                        "convert it with freeze=True or call amp_compiler.freeze() first")
+    for gm in graphs:
+        pack_frozen_linears(gm)
+    return model
+
+
+def pack_frozen_linears(gm: fx.GraphModule) -> None:
+    """The linear nodes of a frozen graph that read a frozen weight copy call frozen_linear (their count:
+    gm.meta["amp"]["frozen"]["linears_packed"]); a graph packed already is left as it is."""
+    frozen = gm.meta["amp"]["frozen"]
+    if "linears_packed" in frozen:
+        return
+    count = 0
+    for node in gm.graph.nodes:
+        weight = node.args[1] if node.op == "call_function" and node.target in _LINEARS and len(node.args) > 1 \
+            else None
+        if isinstance(weight, fx.Node) and weight.target is amp_frozen_cast:
+            node.target = frozen_linear
+            count += 1
+    if count:
+        gm.recompile()
+    frozen["linears_packed"] = count
 
 
 def _converted_graphs(model: nn.Module) -> list[fx.GraphModule]:

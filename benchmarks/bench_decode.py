@@ -1,5 +1,6 @@
-"""Decode latency of a Llama-shaped model, bf16 on CPU: fp32, torch.autocast, converted in place (O1), and
-converted in place with frozen weight copies (freeze=True). Greedy, KV cache on; alternated runs, medians.
+"""Decode latency of a Llama-shaped model, bf16 on CPU: fp32, torch.autocast, converted in place (O1),
+converted in place with frozen weight copies (freeze=True), and those copies oneDNN-packed for the linears
+(amp_compiler.frozen.pack_linears). Greedy, KV cache on; alternated runs, medians.
 
     python benchmarks/bench_decode.py [--batches 1,8] [--repeats 7] [--vocab 8000] [--threads 2]
     python benchmarks/bench_decode.py --profile frozen --batches 1     # cProfile of the decode steps, top rows
@@ -29,10 +30,11 @@ sys.path[:0] = [ROOT]
 
 import amp_compiler  # noqa: E402
 import amp_compiler.models.torchvision_ops  # noqa: E402,F401  (transformers imports torchvision's C ops)
+from amp_compiler.frozen import pack_linears  # noqa: E402
 from amp_compiler.in_place.conversion import in_place_conversion  # noqa: E402
 
 LOW = torch.bfloat16
-VARIANTS = ("fp32", "autocast", "in place", "in place frozen")
+VARIANTS = ("fp32", "autocast", "in place", "in place frozen", "frozen + packed")
 
 
 def llama(vocab: int, hidden: int, intermediate: int, layers: int, heads: int):
@@ -52,7 +54,9 @@ def variants(model) -> dict:
 
     in_place = amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True)
     frozen = amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True, freeze=True)
-    return dict(zip(VARIANTS, (model, autocast_call, in_place, frozen)))
+    packed = pack_linears(
+        amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True, freeze=True))
+    return dict(zip(VARIANTS, (model, autocast_call, in_place, frozen, packed)))
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -161,8 +165,9 @@ def main() -> None:
              f"{args.threads} thread(s), {args.clock} clock, prompt {args.prompt}, {args.new} new tokens greedy, KV cache; median of {args.repeats} alternated "
              f"runs", ["batch", "variant", "prefill ms", "decode ms/token", "decode vs fp32", "decode vs autocast",
                        "prefill vs autocast", "tokens = fp32's"], rows)
-    for name in ("in place", "in place frozen"):
-        print(f"\n{name}: {part_counts(runs[name])}")
+    for name in VARIANTS[2:]:
+        print(f"\n{name}: {part_counts(runs[name])}, frozen copies {amp_compiler.frozen_bytes(runs[name]) / 1e6:.1f} "
+              f"MB (fp32 parameters {params * 4:.1f} MB)")
 
 
 if __name__ == "__main__":

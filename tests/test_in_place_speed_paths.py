@@ -5,6 +5,7 @@ Its frozen part graphs compare their weights' sampled values once per model call
 tests check that no cheaper path reads a stale copy: after an optimizer step, load_state_dict (also
 assign=True), an in-place write under no_grad, a write through `.data`, `.data` assigned or a new
 Parameter, the frozen model gives what a model converted afresh from the changed weights gives.
+amp_compiler.frozen.pack_linears(model): the same, its linears reading oneDNN-packed copies (CPU, bf16).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 import amp_compiler
+from amp_compiler.frozen import frozen_linear, pack_linears
 from amp_compiler.in_place import in_place_conversion
 from test_freeze import ComparisonCounter   # aten.equal calls: the frozen copies' value checks
 
@@ -53,10 +55,10 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def frozen_net(seed: int = 0):
+def frozen_net(seed: int = 0, packed: bool = False):
     torch.manual_seed(seed)
-    model = Net().eval()
-    return amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, freeze=True), torch.randn(3, 16)
+    model = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True, freeze=True)
+    return (pack_linears(model) if packed else model), torch.randn(3, 16)
 
 
 def graph_count(model) -> int:
@@ -107,9 +109,10 @@ def mutations(model: Net):
 MUTATIONS = list(mutations(Net()))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["frozen", "packed"])
 @pytest.mark.parametrize("mutation", MUTATIONS)
-def test_a_frozen_in_place_model_never_reads_a_stale_copy(mutation):
-    model, x = frozen_net()
+def test_a_frozen_in_place_model_never_reads_a_stale_copy(mutation, packed):
+    model, x = frozen_net(packed=packed)
     with torch.inference_mode():
         before = model(x, State())
         model(x, State())   # the copies are in use
@@ -194,3 +197,60 @@ def test_a_copy_of_a_frozen_in_place_model_checks_its_own_weights(how):
     with torch.inference_mode():
         assert torch.equal(twin(x, State()), expected)
         assert not torch.equal(model(x, State()), expected)   # the original's weights are its own
+
+
+def linear_weight_bytes(model, dtype=BF16) -> int:
+    return sum(m.weight.numel() * dtype.itemsize for m in model.modules() if isinstance(m, nn.Linear))
+
+
+ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.skipif(not ONEDNN_BF16, reason="needs oneDNN with bf16 (packed linear weights)")
+def test_packed_linears_give_the_frozen_outputs_bit_for_bit_and_cost_a_second_copy():
+    frozen, x = frozen_net()
+    packed, _ = frozen_net(packed=True)
+    with torch.inference_mode():
+        expected = frozen(x, State())
+        assert torch.equal(packed(x, State()), expected)
+        assert torch.equal(packed(x, State()), expected)   # the packed copies in use
+    gms = in_place_conversion(packed).graph_modules()
+    assert all(any(n.target is frozen_linear for n in gm.graph.nodes) for gm in gms)
+    assert sum(gm.meta["amp"]["frozen"]["linears_packed"] for gm in gms) == 5
+    biases = sum(m.bias.numel() * 2 for m in packed.modules() if isinstance(m, nn.Linear))
+    assert amp_compiler.frozen_bytes(frozen) == linear_weight_bytes(frozen) + biases
+    assert amp_compiler.frozen_bytes(packed) == 2 * linear_weight_bytes(packed) + biases
+
+
+def test_packed_linears_compute_as_written_while_training_and_with_fp32_inputs():
+    packed, x = frozen_net(packed=True)
+    with torch.inference_mode():
+        packed(x, State())
+    packed.train()
+    reference = amp_compiler.convert(copy.deepcopy(amp_compiler.restore(copy.deepcopy(packed))), "O1", dtype=BF16,
+                                     inplace=True)
+    out = packed(x, State())
+    assert out.requires_grad and torch.equal(out, reference(x, State()))
+    weight = packed.head.weight
+    assert torch.equal(frozen_linear(x, weight, None), torch.nn.functional.linear(x, weight))   # an fp32 replay
+
+
+def test_pack_linears_refuses_a_model_without_frozen_copies():
+    model = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True)
+    with pytest.raises(TypeError, match="freeze"):
+        pack_linears(model)
+    with pytest.raises(TypeError, match="freeze"):
+        pack_linears(nn.Linear(2, 2))
+
+
+@pytest.mark.skipif(not ONEDNN_BF16, reason="needs oneDNN with bf16 (packed linear weights)")
+def test_pack_linears_on_a_frozen_convert_result():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval(), torch.randn(4, 16)
+    frozen = amp_compiler.convert(model, "O1", dtype=BF16, example_inputs=(x,), freeze=True).eval()
+    packed = pack_linears(amp_compiler.convert(model, "O1", dtype=BF16, example_inputs=(x,), freeze=True).eval())
+    with torch.inference_mode():
+        assert torch.equal(packed(x), frozen(x)) and torch.equal(packed(x), frozen(x))
+        model[0].weight.data.mul_(2.0)   # seen by the sampled values
+        assert torch.equal(packed(x), frozen(x))
+    assert packed.meta["amp"]["frozen"]["linears_packed"] == 2

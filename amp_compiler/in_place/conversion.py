@@ -40,6 +40,7 @@ class InPlaceConversion:
     # freeze: one value comparison per model call for all frozen graphs (amp_compiler.frozen.JoinedValueCheck)
     values_checked: object = None
     calling: bool = False         # a model call is running: a part called now is nested in it
+    pack_linears: bool = False    # amp_compiler.frozen.pack_linears(model): frozen Linear copies oneDNN-packed
 
     def before_outermost_call(self) -> None:
         """Once per model call, before any part runs: the frozen copies whose weights' values changed go."""
@@ -93,7 +94,7 @@ class InPlaceConversion:
         self.captured += 1
         gm.meta["amp"]["capture"] = self.captured
         if self.freeze:
-            _freeze_graph(gm, part.module.training, self.sample_values, self._joined_check())
+            _freeze_graph(gm, part.module.training, self)
         return Graph(gm, watched, low_node_count(gm))
 
     def freeze_graphs(self, sample_values: bool = True) -> None:
@@ -102,8 +103,7 @@ class InPlaceConversion:
         for part in self.parts.values():
             for key, graphs in part.graphs.items():
                 for graph in graphs:
-                    # key[0]: the module's training flag
-                    _freeze_graph(graph.gm, key[0], sample_values, self._joined_check())
+                    _freeze_graph(graph.gm, key[0], self)   # key[0]: the module's training flag
 
     def graph_modules(self) -> list:
         return [graph.gm for part in self.parts.values() for graphs in part.graphs.values() for graph in graphs]
@@ -159,14 +159,16 @@ def _called_modules_flags(gm: nn.Module, module: nn.Module) -> list:
     return [(module.get_submodule(path), module.get_submodule(path).training) for path in sorted(called)]
 
 
-def _freeze_graph(gm, training: bool, sample_values: bool, values_checked) -> None:
-    from amp_compiler.frozen import HOLDER, freeze
+def _freeze_graph(gm, training: bool, conversion: InPlaceConversion) -> None:
+    from amp_compiler.frozen import HOLDER, freeze, pack_frozen_linears
     if not hasattr(gm, HOLDER):
-        freeze(gm, sample_values=sample_values)
+        freeze(gm, sample_values=conversion.sample_values)
         holder = gm.get_submodule(HOLDER)
         holder.train(training)   # the copies serve eval calls; gm.training is the capture's
-        if sample_values:        # compared once per model call with all the others, not on each graph's call
-            values_checked.add(holder)
+        if conversion.sample_values:   # compared once per model call with all the others, not per graph call
+            conversion._joined_check().add(holder)
+    if conversion.pack_linears:
+        pack_frozen_linears(gm)
 
 
 def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None, calibration_data=None,
