@@ -24,7 +24,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import amp_compiler
 from amp_compiler.in_place import in_place_conversion
-from amp_testing import AtenDtypeRecorder
+from amp_testing import AtenDtypeRecorder, assert_close_to_fp32
 
 pytestmark = pytest.mark.real_models
 
@@ -141,6 +141,13 @@ def total_captures(model) -> int:
     return sum(part.captures for part in parts(model).values())
 
 
+def assert_projections_ran_low(recorder: AtenDtypeRecorder) -> None:
+    """Every mm/addmm (the projections, the MLPs, the LM head) read bf16 inputs only."""
+    matmuls = recorder.calls["mm"] + recorder.calls["addmm"]
+    assert matmuls and all(set(dtypes) == {BF16} for dtypes in matmuls), \
+        f"projection matmuls read {sorted(map(str, {d for dtypes in matmuls for d in dtypes}))}"
+
+
 # -- 1. generate ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
 def test_o0_generates_the_unconverted_tokens_and_scores_greedy_and_sampled(name):
@@ -165,9 +172,7 @@ def test_during_generate_projections_run_low_and_softmax_and_norms_fp32(name):
     generate(model)   # the parts capture (a capture's fake propagation would show in the recorder as fp32 ops)
     with AtenDtypeRecorder() as recorder:
         generate(model)
-    matmuls = recorder.calls["mm"] + recorder.calls["addmm"]
-    assert matmuls and all(set(dtypes) == {BF16} for dtypes in matmuls), \
-        f"projection matmuls read {sorted(map(str, {d for dtypes in matmuls for d in dtypes}))}"
+    assert_projections_ran_low(recorder)
     softmax = recorder.input_dtypes(*SOFTMAX_OPS)
     assert softmax == {FP32}, f"softmax/attention read {softmax}"
     for op in NORM_OPS[name]:
@@ -182,3 +187,144 @@ def test_an_encoder_decoder_runs_its_encoder_low_from_the_first_generate():
     generate(model)
     encoder = parts(model)["encoder"]
     assert encoder.captures == 1 and len(encoder.graphs) == 1 and not encoder.as_written
+
+
+# -- 2. what the user keeps ----------------------------------------------------------------------------------
+def state(model) -> dict:
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
+def assert_same_state(state_dict: dict, expected: dict) -> None:
+    assert state_dict.keys() == expected.keys()
+    changed = [key for key, value in expected.items()
+               if state_dict[key].dtype != value.dtype or not torch.equal(state_dict[key], value)]
+    assert not changed, f"state_dict entries changed: {changed[:5]}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_class_methods_config_signature_state_dict_and_checkpoints_stay_hugging_faces(name, tmp_path):
+    model = build(name)
+    cls, config, signature, modules, before = (type(model), model.config, inspect.signature(model.forward),
+                                                [path for path, _ in model.named_modules()], state(model))
+    assert amp_compiler.convert(model, "O1", dtype=BF16, inplace=True) is model
+    generate(model)   # the parts capture
+    assert type(model) is cls and model.config is config and model.device == torch.device("cpu")
+    assert model.generate.__func__ is cls.generate and model.save_pretrained.__func__ is cls.save_pretrained
+    assert inspect.signature(model.forward) == signature
+    assert [path for path, _ in model.named_modules()] == modules   # nothing registered on the model
+    assert_same_state(state(model), before)
+
+    model.save_pretrained(tmp_path)   # a plain Hugging Face checkpoint: an unconverted model loads it
+    loaded = cls.from_pretrained(tmp_path)
+    assert in_place_conversion(loaded) is None and type(loaded.forward).__name__ == "method"
+    assert_same_state(state(loaded), before)
+
+    other = build(name, seed=1)   # an unconverted checkpoint loads into the converted model ...
+    model.load_state_dict(other.state_dict())
+    assert_same_state(state(model), state(other))
+    assert_within_autocast_error(model, other, BF16)   # ... and its graphs compute with those weights
+
+
+# -- 3. lazy capture, recapture, as-written parts --------------------------------------------------------------
+def test_parts_capture_lazily_and_again_for_another_dtype_or_keyword():
+    fp32_model, model = build("llama"), converted("llama", "O1")
+    root = parts(model)[""]
+    assert list(parts(model)) == [""] and root.captures == 0 and not root.graphs   # no example inputs needed
+    ids = prompt()["input_ids"]
+    calls = [((ids,), {"use_cache": False}),                  # tensors and constants only: one graph
+             ((ids[:1, :3],), {"use_cache": False}),          # another shape: the same graph
+             ((ids.int(),), {"use_cache": False}),            # another dtype: captured again
+             ((ids,), {"use_cache": False, "attention_mask": torch.ones_like(ids)})]   # a keyword: again
+    captures = []
+    with torch.no_grad():
+        for args, kwargs in calls:
+            output = model(*args, **kwargs).logits
+            assert_close_to_fp32(output, fp32_model(*args, **kwargs).logits, BF16)
+            captures.append(root.captures)
+    assert captures == [1, 1, 2, 3] and len(root.graphs) == 3 and not root.as_written
+
+
+def test_example_inputs_capture_at_conversion():
+    ids = prompt()["input_ids"]
+    model = converted("llama", "O1", example_inputs=(ids,))
+    captured = [path for path, part in parts(model).items() if part.graphs]
+    assert captured, "no part has a graph after convert(example_inputs=...)"
+    count = total_captures(model)
+    with torch.no_grad():
+        model(ids)   # the call the example made: every part finds its graph or its as-written key
+    assert total_captures(model) == count
+
+
+CACHE_TAKERS = {"llama": ("DynamicCache", ("", "model", "model.layers.0", "model.layers.1.self_attn"),
+                          ("lm_head", "model.layers.0.mlp", "model.layers.1.self_attn.q_proj")),
+                "t5": ("EncoderDecoderCache", ("", "decoder", "decoder.block.0", "decoder.block.1.layer.1.EncDecAttention"),
+                       ("lm_head", "encoder", "decoder.block.0.layer.2", "decoder.block.1.layer.0.SelfAttention.q"))}
+
+
+@pytest.mark.parametrize("name", CACHE_TAKERS)
+def test_parts_given_a_cache_run_as_written_with_the_reason_and_their_children_are_graphs(name):
+    cache, as_written, graphs = CACHE_TAKERS[name]
+    model = converted(name, "O1")
+    generate(model)
+    found = parts(model)
+    for path in as_written:
+        reasons = list(found[path].as_written.values())
+        assert not found[path].graphs and reasons and all(cache in reason for reason in reasons), (path, reasons)
+    for path in graphs:
+        assert found[path].graphs and not found[path].as_written, path
+    lm_head = found["lm_head"]
+    captures = lm_head.captures
+    with torch.no_grad():   # a rank the part has not seen: captured again
+        model.lm_head(torch.randn(3, WIDTH))
+    assert lm_head.captures == captures + 1 and len(lm_head.graphs) == 2
+
+
+# -- 4. restore ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_restore_gives_back_the_fp32_model(name):
+    fp32_model, model = build(name), converted(name, "O1")
+    generate(model)
+    assert amp_compiler.restore(model) is model and in_place_conversion(model) is None
+    assert not [path for path, module in model.named_modules() if "forward" in module.__dict__]
+    for sampling in (False, True):
+        expected, ours = generate(fp32_model, sampling), generate(model, sampling)
+        assert torch.equal(ours.sequences, expected.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(ours.logits, expected.logits, strict=True))
+
+
+# -- 5. training in place --------------------------------------------------------------------------------------
+def gradients(model, ids, autocast=None) -> dict:
+    with torch.autocast("cpu", dtype=autocast or BF16, enabled=autocast is not None):
+        loss = model(input_ids=ids, labels=ids).loss
+    named = dict(model.named_parameters())
+    return dict(zip(named, torch.autograd.grad(loss, list(named.values()))))
+
+
+def relative_error(grads: dict, reference: dict) -> float:
+    difference = torch.cat([(grads[name].double() - reference[name].double()).flatten() for name in reference])
+    return (difference.norm() / torch.cat([g.double().flatten() for g in reference.values()]).norm()).item()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_training_in_place_reaches_every_parameter_close_to_fp32(name):
+    fp32_model, model = build(name).train(), converted(name, "O1").train()
+    ids = prompt()["input_ids"]
+    expected, autocast = gradients(fp32_model, ids), gradients(fp32_model, ids, autocast=BF16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(input_ids=ids, labels=ids)   # the parts capture (a capture's fake propagation would show as fp32 ops)
+    with AtenDtypeRecorder() as recorder:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    assert_projections_ran_low(recorder)   # forward and backward: not the fp32 model run as written
+    grads = dict(model.named_parameters())
+    missing = [path for path, p in grads.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, f"no gradient reached {missing[:5]}"
+    grads = {path: p.grad for path, p in grads.items()}
+    error, autocast_error = relative_error(grads, expected), relative_error(autocast, expected)
+    assert error <= max(AUTOCAST_SLACK * autocast_error, UNIT_ROUNDOFF[BF16]), \
+        f"gradient error vs fp32 {error:.3g} (relative norm), autocast's {autocast_error:.3g}"
+    before = state(model)
+    optimizer.step()
+    assert not [key for key, value in model.state_dict().items() if torch.equal(value, before[key])]
+    with torch.no_grad():
+        assert model(input_ids=ids, labels=ids).loss < loss   # the step went downhill
