@@ -90,25 +90,10 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     properties = resolve_properties(opt_level, cast_model_type, patch_torch_functions, keep_batchnorm_fp32,
                                     master_weights, loss_scale, cast_model_outputs)
     model_list, optimizer_list = _as_list(models, nn.Module, "models"), _optimizer_list(optimizers)
-    for model in model_list:
-        _refuse_low_parameters(model)
+    _check_fresh(model_list, optimizer_list)   # before anything changes
     state = AmpState(properties, verbosity=verbosity)
     state.scalers = [_loss_scaler(properties, min_loss_scale, max_loss_scale) for _ in range(_count(num_losses))]
-    to_cast = [p for model in model_list for p in _weights_to_cast(model, properties)]
-    for model in model_list:
-        _convert(model, properties)
-    # the masters start from the fp32 weights themselves (Apex's from their fp16 rounding)
-    masters = state.masters = {p: p.detach().clone() for p in to_cast
-                               if isinstance(p, nn.Parameter) and p.requires_grad and properties.master_weights}
-    for optimizer in optimizer_list:
-        _prepare_optimizer(optimizer, properties, masters)
-    held = {low for optimizer in optimizer_list for low, _ in optimizer._amp_stash.pairs}
-    for param in [p for p in masters if p not in held]:   # no optimizer steps it: no master
-        del masters[param]
-    _cast(to_cast, properties.low_dtype)
-    if properties.cast_weights:
-        for model in model_list:
-            _checkpoint_in_fp32(model, masters)
+    state.masters = _convert_and_prepare(model_list, optimizer_list, properties)
     _state = state
     state.say(f"initialize: {_summary(properties, state.scalers[0])}")
     return _returned(models, model_list, optimizers, optimizer_list)
@@ -222,11 +207,36 @@ def _returned(models, model_list, optimizers, optimizer_list):
     return models_back, optimizer_list if isinstance(optimizers, list) else optimizer_list[0]
 
 
-def _refuse_low_parameters(model: nn.Module) -> None:
-    low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in LOW})
-    if low:   # Apex's check_params_fp32: the masters must start from fp32 weights
-        raise ValueError(f"{type(model).__name__} has {', '.join(low)} parameters: initialize() starts from an "
-                         "fp32 model (O2/O3 cast the weights themselves). Call model.float() first.")
+def _check_fresh(models: list, optimizers: list) -> None:
+    for model in models:
+        low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in LOW})
+        if low:   # Apex's check_params_fp32: the masters must start from fp32 weights
+            raise ValueError(f"{type(model).__name__} has {', '.join(low)} parameters: initialize() starts from "
+                             "an fp32 model (O2/O3 cast the weights themselves). Call model.float() first.")
+    if any(hasattr(optimizer, "_amp_stash") for optimizer in optimizers):
+        raise RuntimeError("an optimizer went through amp_compiler.initialize already: call initialize once, "
+                           "with every model and optimizer (lists)")
+
+
+def _convert_and_prepare(models: list, optimizers: list, properties: Properties) -> dict:
+    """Convert the models in place, give the optimizers fp32 masters of the weights O2 casts, cast them.
+    Returns {low parameter: its master}, which the models' checkpoint hooks read."""
+    to_cast = [p for model in models for p in _weights_to_cast(model, properties)]
+    for model in models:
+        _convert(model, properties)
+    # the masters start from the fp32 weights themselves (Apex's from their fp16 rounding)
+    masters = {p: p.detach().clone() for p in to_cast
+               if isinstance(p, nn.Parameter) and p.requires_grad and properties.master_weights}
+    for optimizer in optimizers:
+        _prepare_optimizer(optimizer, properties, masters)
+    held = {low for optimizer in optimizers for low, _ in optimizer._amp_stash.pairs}
+    for param in [p for p in masters if p not in held]:   # no optimizer steps it: no master
+        del masters[param]
+    _cast(to_cast, properties.low_dtype)
+    if properties.cast_weights:
+        for model in models:
+            _checkpoint_in_fp32(model, masters)
+    return masters
 
 
 def _convert(model: nn.Module, properties: Properties) -> None:
@@ -348,9 +358,6 @@ def _unscale_(grads: list[torch.Tensor], inv_scale: float) -> bool:
 
 
 def _prepare_optimizer(optimizer: torch.optim.Optimizer, properties: Properties, masters: dict) -> None:
-    if hasattr(optimizer, "_amp_stash"):
-        raise RuntimeError("this optimizer went through amp_compiler.initialize already: call initialize once, "
-                           "with every model and optimizer (lists)")
     stash = optimizer._amp_stash = OptimizerStash()
     for group in optimizer.param_groups:
         holds = list(group["params"])
@@ -358,8 +365,6 @@ def _prepare_optimizer(optimizer: torch.optim.Optimizer, properties: Properties,
         for before, now in zip(holds, group["params"]):
             if before is not now and before in optimizer.state:   # momentum etc. move to the master
                 optimizer.state[now] = optimizer.state.pop(before)
-    if stash.pairs and optimizer.state:
-        optimizer.load_state_dict(optimizer.state_dict())   # casts the moved states to fp32, as Apex
     _patch_methods(optimizer, stash, properties, masters)
 
 

@@ -531,8 +531,10 @@ def test_mistakes_are_named():
     model = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=1)
     amp_compiler.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    fresh = nn.Linear(2, 2)
     with pytest.raises(RuntimeError, match="once"):
-        amp_compiler.initialize(nn.Linear(2, 2), optimizer, opt_level="O1", verbosity=0)
+        amp_compiler.initialize(fresh, optimizer, opt_level="O1", verbosity=0)
+    assert "_amp_in_place" not in fresh.__dict__, "a refused initialize changes nothing"
     with pytest.raises(ValueError, match="loss_id"):
         with amp_compiler.scale_loss(model(torch.ones(2)).sum(), optimizer, loss_id=1):
             pass
