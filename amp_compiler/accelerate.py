@@ -31,6 +31,9 @@ When a step was skipped, `explain_overflow(accelerator, model, compute_loss)` re
 backward (`compute_loss()` recomputes the loss of that batch) with the scale the step used, node by node, and
 says which node went inf/nan first (`amp_compiler.train.overflow_report`); the report is logged and recorded on
 the scaler. The replay runs under a forked RNG (training's random stream is untouched; dropout draws new masks).
+
+DeepSpeed is refused (its engine runs backward and loss scaling itself). DDP/FSDP are not tested with this
+recipe; the scaler all-reduces its overflow flag when torch.distributed is initialised, so ranks skip together.
 """
 from __future__ import annotations
 
@@ -168,8 +171,9 @@ def explain_overflow(accelerator, model: nn.Module, compute_loss: Callable[[], t
                          f"(accelerator.scaler is {type(scaler).__name__})")
     scale = accelerator._amp_scale_used / accelerator.gradient_accumulation_steps
 
-    def replay():
-        (compute_loss().float() * scale).backward()
+    def replay():   # no gradient all-reduce: every rank skipped the step and replays it on its own
+        with accelerator.no_sync(model):
+            (compute_loss().float() * scale).backward()
     with torch.random.fork_rng(devices=[]):
         return locate_and_record(accelerator.unwrap_model(model), replay, scaler, log)
 

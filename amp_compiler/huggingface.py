@@ -92,8 +92,8 @@ class AmpTrainerMixin:
         model, inputs, num_items_in_batch, rng, scale = self._amp_last_micro_batch
         self._amp_last_micro_batch = None
 
-        def replay():   # the Trainer's own training_step, scaled as the skipped step was
-            with _rng_restored(rng), _scaled_by(self.accelerator, scale):
+        def replay():   # the Trainer's own training_step, scaled as the skipped step was, with no all-reduce
+            with _rng_restored(rng), _scaled_by(self.accelerator, scale), self.accelerator.no_sync(model):
                 super(AmpTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
         self.amp_overflow_report = locate_and_record(self.accelerator.unwrap_model(model), replay,
                                                      self.amp_scaler, log)
