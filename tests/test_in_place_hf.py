@@ -305,7 +305,8 @@ def relative_error(grads: dict, reference: dict) -> float:
     return (difference.norm() / torch.cat([g.double().flatten() for g in reference.values()]).norm()).item()
 
 
-@pytest.mark.parametrize("name", NAMES)
+# Mistral trains like Llama; T5's train-mode captures take ~11 s of CPU
+@pytest.mark.parametrize("name", ["gpt2", "llama", pytest.param("t5", marks=pytest.mark.slow)])
 def test_training_in_place_reaches_every_parameter_close_to_fp32(name):
     fp32_model, model = build(name).train(), converted(name, "O1").train()
     ids = prompt()["input_ids"]
