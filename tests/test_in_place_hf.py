@@ -329,3 +329,17 @@ def test_training_in_place_reaches_every_parameter_close_to_fp32(name):
     assert not [key for key, value in model.state_dict().items() if torch.equal(value, before[key])]
     with torch.no_grad():
         assert model(input_ids=ids, labels=ids).loss < loss   # the step went downhill
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "convert() bug, not in-place: with labels (and the DynamicCache in its output, which torch.export cannot "
+    "return) the causal LM is captured by fx with its decoder opaque (run under autocast); the graph's lm_head "
+    "linear reads the opaque ModelOutput's last_hidden_state as bf16 with no cast, but it is fp32 at run time "
+    "(RuntimeError: expected m1 and m2 to have the same dtype). The same with convert() of a wrapper returning "
+    "(out.loss, out.past_key_values). In place, the part now runs as written and converts its children."))
+def test_a_causal_lm_called_with_labels_is_one_working_graph():
+    model = converted("llama", "O1")
+    ids = prompt()["input_ids"]
+    model(input_ids=ids, labels=ids)
+    root = parts(model)[""]
+    assert root.graphs, f"the top level runs as written: {list(root.as_written.values())}"
