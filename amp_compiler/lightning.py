@@ -29,7 +29,8 @@ After the first optimizer step (the parts are captured on their first call) the 
 
 Strategies: single device, ddp, ddp_spawn (Trainer and Fabric). FSDP is refused by Lightning itself
 (TypeError: it accepts only an FSDPPrecision subclass); DeepSpeed and ModelParallelStrategy (FSDP2/TP), which
-would accept any plugin, are refused by `convert_module` with a ValueError that names the alternatives.
+would accept any plugin, are refused by the Trainer plugin's `convert_module` with a ValueError that names the
+alternatives (Fabric's convert_module is not told the strategy: there they are untested, not refused).
 """
 from __future__ import annotations
 
