@@ -10,11 +10,12 @@ with amp_compiler.convert(model, level, inplace=True):
     and load_state_dict round trips, the converted model computing with the loaded weights;
   * parts capture lazily and again for another dtype/rank/keyword; example_inputs captures at conversion;
     parts taking a cache run as written with their reason, their children converted;
-  * restore() gives back the fp32 model; training in place reaches every parameter, close to fp32.
+  * restore() gives back the fp32 model; training in place reaches every parameter, its matmuls bf16
+    forward and backward, gradients within 2x autocast's error (a causal LM called with labels: see the
+    xfail at the end, a convert() bug; in place the top level runs as written, its children converted).
 """
 from __future__ import annotations
 
-import copy
 import inspect
 
 import pytest
@@ -255,10 +256,13 @@ def test_example_inputs_capture_at_conversion():
     assert total_captures(model) == count
 
 
-CACHE_TAKERS = {"llama": ("DynamicCache", ("", "model", "model.layers.0", "model.layers.1.self_attn"),
-                          ("lm_head", "model.layers.0.mlp", "model.layers.1.self_attn.q_proj")),
-                "t5": ("EncoderDecoderCache", ("", "decoder", "decoder.block.0", "decoder.block.1.layer.1.EncDecAttention"),
-                       ("lm_head", "encoder", "decoder.block.0.layer.2", "decoder.block.1.layer.0.SelfAttention.q"))}
+# name -> (the cache's class, parts that get it and run as written, parts below them that are graphs)
+CACHE_TAKERS = {
+    "llama": ("DynamicCache", ("", "model", "model.layers.0", "model.layers.1.self_attn"),
+              ("lm_head", "model.layers.0.mlp", "model.layers.1.self_attn.q_proj")),
+    "t5": ("EncoderDecoderCache", ("", "decoder", "decoder.block.0", "decoder.block.1.layer.1.EncDecAttention"),
+           ("lm_head", "encoder", "decoder.block.0.layer.2", "decoder.block.1.layer.0.SelfAttention.q")),
+}
 
 
 @pytest.mark.parametrize("name", CACHE_TAKERS)
