@@ -19,6 +19,8 @@ from amp_compiler.config import AmpConfig
 from amp_compiler.frontend import TracingError, capture, share_module_tree
 from amp_compiler.frontend.hooks import HOOK_DICTS
 from amp_compiler.in_place.call_key import Uncapturable, call_key
+from amp_compiler.in_place.guards import (ModuleState, assigned_attributes, grad_mode_changes,
+                                          parameters_read_as_constants)
 from amp_compiler.in_place.part import Graph, Part, PartForward, bound_call, low_node_count
 
 ATTRIBUTE = "_amp_in_place"   # on the user's model: its InPlaceConversion
@@ -82,9 +84,11 @@ class InPlaceConversion:
         samples = self._calibration_samples(part, call_key(args, kwargs)[0])
         fp32_weights = _fp32_while_captured(part.module, self.weights_cast_low)
         with torch.inference_mode(False), torch.enable_grad(), fp32_weights:
-            captured = capture(wrapper, example)
+            with grad_mode_changes() as switched:
+                captured = capture(wrapper, example)
             if "inner" in captured.opaque:   # fx could trace none of it: its children are tried instead
                 raise TracingError(captured.opaque["inner"])
+            _refuse_what_a_graph_cannot_do(captured, part.module, switched, self.model)
             gm = compile_graph(captured, self.config, samples, follow_flags=False)
         _read_live_tensors(gm, part.module)
         watched = [(part.module.get_submodule(path.removeprefix("inner").lstrip(".")), flag)
@@ -95,7 +99,7 @@ class InPlaceConversion:
         gm.meta["amp"]["capture"] = self.captured
         if self.freeze:
             _freeze_graph(gm, part.module.training, self)
-        return Graph(gm, watched, low_node_count(gm))
+        return Graph(gm, watched, low_node_count(gm), ModuleState(part.module))
 
     def freeze_graphs(self, sample_values: bool = True) -> None:
         """amp_compiler.freeze(model): the graphs captured so far keep weight copies, and those captured later."""
@@ -130,6 +134,22 @@ def _fsdp_sharded_submodule(module: nn.Module) -> str | None:
     if sharded_type is None:
         return None
     return next((path for path, child in module.named_modules() if path and isinstance(child, sharded_type)), None)
+
+
+def _refuse_what_a_graph_cannot_do(captured, module: nn.Module, switched: list, model: nn.Module) -> None:
+    """A forward whose effects are not tensor ops runs as written (its children are tried as parts)."""
+    if switched:
+        raise TracingError(f"its forward switches autograd ({', '.join(sorted(set(switched)))}); a graph records "
+                           "tensor ops only and would compute gradients where the forward turned them off")
+    traced = captured.graph_module._modules.get("inner")   # the capture's copy (absent from torch.export's)
+    assigned = assigned_attributes(traced, module) if traced is not None else []
+    if assigned:
+        raise TracingError(f"its forward assigns {', '.join(assigned[:4])} (self.<name> = ...); a graph would "
+                           "not, and the model would never see the new value")
+    constants = parameters_read_as_constants(captured.graph_module, model)
+    if constants:
+        raise TracingError(f"the capture took {', '.join(constants[:4])} as constants (a module reached through a "
+                           "plain attribute, not a registered child): no gradient would reach them")
 
 
 def _read_live_tensors(gm: nn.Module, module: nn.Module) -> None:

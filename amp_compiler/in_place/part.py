@@ -36,6 +36,7 @@ class Graph:
     gm: torch.fx.GraphModule
     watched: list          # (user's module, flag) for every module whose `training` the capture read
     low: int               # nodes that run low
+    state: object = None   # guards.ModuleState: the part's attributes, children and hooks the capture saw
 
 
 @dataclass
@@ -89,7 +90,8 @@ class Part:
         if self.keyed_by_shape:
             key += tuple(tuple(t.shape) for t in tensors)
         for graph in self.graphs.get(key, ()):
-            if all(module.training is flag for module, flag in graph.watched):
+            if all(module.training is flag for module, flag in graph.watched) and \
+                    (graph.state is None or graph.state.holds()):
                 return self._run_graph(graph, key, tensors, args, kwargs)
         if key in self.as_written:
             return self.original()(*args, **kwargs)
