@@ -198,6 +198,44 @@ def test_plain_and_tensor_attributes_changed_after_capture_are_read_again():
     assert close(model(x), as_written(Scaled, model, x)) and parts(model)[""].captures == captures
 
 
+class Settings:
+    def __init__(self):
+        self.negate = False
+
+
+class ReadsSettings(Pair):
+    def __init__(self, settings):
+        super().__init__()
+        self.settings = settings
+
+    def forward(self, x):
+        y = self.a(x)
+        return -y if self.settings.negate else y
+
+
+def test_a_settings_object_changed_after_capture_is_read_again():
+    # fixed: `model.config.flag = True` after the first call was ignored (the graph had baked False)
+    model = convert(ReadsSettings(Settings()))
+    x = torch.randn(4, 8)
+    model(x)
+    model.settings.negate = True
+    assert close(model(x), as_written(ReadsSettings, model, x))
+
+
+@pytest.mark.real_models
+def test_a_hugging_face_config_changed_after_capture_is_followed():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = convert(LlamaForCausalLM(config).eval())
+    ids = torch.randint(0, 64, (1, 5))
+    assert model(ids, use_cache=False).hidden_states is None
+    model.config.output_hidden_states = True
+    out = model(ids, use_cache=False)
+    assert out.hidden_states is not None and len(out.hidden_states) == 2
+    assert close(out.logits, as_written(LlamaForCausalLM, model, ids, use_cache=False).logits)
+
+
 def test_dropout_probability_changed_after_capture_is_followed():
     # fixed: p=0 at capture left no dropout in the graph
     model = convert(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0)))

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 
 import torch
 from torch import nn
@@ -21,6 +23,9 @@ from amp_compiler.frontend.hooks import HOOK_DICTS
 _NOT_BAKED = ("training", "forward")   # flags are watched apart (Graph.watched); forward is the part's own
 _CONSTANTS = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 _MISSING = object()
+# objects whose own attributes are not settings a forward reads (modules are walked themselves)
+_NOT_SETTINGS = (nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+                 functools.partial)
 
 
 def _plain_attributes(module: nn.Module):
@@ -47,8 +52,10 @@ class ModuleState:
         self.sizes: list = []       # (container, length): a child or hook added since
         self.attribute_counts: list = []   # [instance dict, its length, public attributes]: one added since
         self.hook_keys: list = []   # (hook dict, its handles): a hook swapped for another
+        settings_seen: set = set()
         for module in part_module.modules():
             self.values += [(module.__dict__, name, value) for name, value in _plain_attributes(module)]
+            self.values += _settings_values(module, settings_seen)
             self.values += [(module._modules, name, child) for name, child in module._modules.items()]
             self.sizes.append((module._modules, len(module._modules)))
             self.attribute_counts.append([module.__dict__, len(module.__dict__), len(_plain_attributes(module))])
@@ -76,6 +83,20 @@ def _same_public_count(counts: list) -> bool:
         return False
     counts[1] = len(attributes)
     return True
+
+
+def _settings_values(module: nn.Module, seen: set) -> list:
+    """The constants inside objects the module holds (a Hugging Face config: `model.config.output_hidden_states
+    = True` after the capture must reach the forward that reads it), each object once."""
+    values = []
+    for _, value in _plain_attributes(module):
+        if id(value) in seen or isinstance(value, _NOT_SETTINGS) or type(value) in _CONSTANTS:
+            continue
+        attributes = getattr(value, "__dict__", None)
+        if type(attributes) is dict:
+            seen.add(id(value))
+            values += [(attributes, name, item) for name, item in attributes.items() if item is None or _constant(item)]
+    return values
 
 
 def assigned_attributes(traced: nn.Module, part_module: nn.Module) -> list[str]:
