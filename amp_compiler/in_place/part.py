@@ -109,15 +109,16 @@ class Part:
         self.keyed_by_shape = True
         return result
 
-    def _as_written(self, key, reason: str, args, kwargs):
+    def _as_written(self, key, reason: str, args, kwargs, children: bool = True):
         if key not in self.as_written:
-            self._record_as_written(key, reason)
+            self._record_as_written(key, reason, children)
         return self.original()(*args, **kwargs)
 
     @torch.compiler.disable   # makes parts (instance forwards): eager under torch.compile, a break on this call only
-    def _record_as_written(self, key, reason: str):
+    def _record_as_written(self, key, reason: str, children: bool = True):
         self.as_written[key] = reason
-        self._children_become_parts()
+        if children:
+            self._children_become_parts()
 
     def _children_become_parts(self):
         if self.children_are_parts:
@@ -135,6 +136,9 @@ class Part:
     # call that captures only; the calls after it find the graph and trace through it (no break).
     @torch.compiler.disable
     def _capture_and_run(self, key, tensors, args, kwargs):
+        if not self.conversion.config.level_spec.paints:   # O0: nothing would run low, nothing to capture
+            return self._as_written(key, f"{self.conversion.config.level}: nothing runs low", args, kwargs,
+                                    children=False)
         if self.captures >= CAPTURE_LIMIT:
             reason = f"captured {CAPTURE_LIMIT} times already (calls differ in {self._differences()})"
             if not self.warned:
@@ -149,9 +153,9 @@ class Part:
         except Exception as error:  # noqa: BLE001 - any capture failure: as written, children tried instead
             first_line = (str(error).splitlines() or [""])[0][:200]
             return self._as_written(key, f"not captured: {type(error).__name__}: {first_line}", args, kwargs)
-        if graph.low == 0:
+        if graph.low == 0:   # children it traced into have nothing low either; opaque ones are tried as parts
             return self._as_written(key, "nothing in it runs low at this level (runs as written, no cast)", args,
-                                    kwargs)
+                                    kwargs, children=bool(graph.gm.meta["amp"]["opaque"]))
         try:   # on the very call it was captured on, a failure is no shape assumption: the graph is broken
             result = graph.gm(*tensors)
         except Exception as error:  # noqa: BLE001 - as written, children tried instead (recapturing would repeat it)
