@@ -13,7 +13,7 @@ def prepare_for_export(model: nn.Module) -> list[str]:
     """Register the pytree types a model returns (Hugging Face caches); returns notes for the report."""
     notes = []
     transformers = sys.modules.get("transformers")
-    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+    if transformers is not None and any(isinstance(m, transformers.PreTrainedModel) for m in model.modules()):
         from transformers.integrations.executorch import register_dynamic_cache_export_support
         register_dynamic_cache_export_support()   # GPT-2, Llama, ... return a DynamicCache with use_cache
         notes.append("Hugging Face model: DynamicCache registered as a pytree type for torch.export")

@@ -20,7 +20,7 @@ from amp_compiler.frontend import TracingError, capture, share_module_tree
 from amp_compiler.frontend.hooks import HOOK_DICTS
 from amp_compiler.in_place.call_key import Uncapturable, call_key
 from amp_compiler.in_place.guards import (ModuleState, assigned_attributes, grad_mode_changes,
-                                          parameters_read_as_constants)
+                                          leaves_with_their_own_forward, parameters_read_as_constants)
 from amp_compiler.in_place.part import Graph, Part, PartForward, bound_call, low_node_count
 
 ATTRIBUTE = "_amp_in_place"   # on the user's model: its InPlaceConversion
@@ -79,6 +79,10 @@ class InPlaceConversion:
         for name in HOOK_DICTS:   # the part's own hooks fire around its call, not again inside the graph
             if name in inner.__dict__:
                 inner.__dict__[name].clear()
+        patched = leaves_with_their_own_forward(inner)
+        if patched:   # the graph would compute the class's Linear/Conv/... instead
+            raise TracingError(f"{', '.join(patched[:4])} runs an instance forward of its own (module.forward = "
+                               "...), which a graph would replace by its class's computation")
         wrapper = bound_call(inner, args, kwargs, len(tensors))
         example = tuple(t.detach() for t in tensors)
         samples = self._calibration_samples(part, call_key(args, kwargs)[0])
@@ -86,8 +90,10 @@ class InPlaceConversion:
         with torch.inference_mode(False), torch.enable_grad(), fp32_weights:
             with grad_mode_changes() as switched:
                 captured = capture(wrapper, example)
-            if "inner" in captured.opaque:   # fx could trace none of it: its children are tried instead
-                raise TracingError(captured.opaque["inner"])
+            opaque = _opaque_modules_with_parameters(wrapper, captured.opaque)
+            if opaque:   # they would run under autocast: the part runs as written and its children are tried
+                raise TracingError(f"{opaque[0].removeprefix('inner').lstrip('.') or 'it'} cannot be traced: "
+                                   f"{captured.opaque[opaque[0]]}")
             _refuse_what_a_graph_cannot_do(captured, part.module, switched, self.model)
             gm = compile_graph(captured, self.config, samples, follow_flags=False)
         _read_live_tensors(gm, part.module)
@@ -150,6 +156,20 @@ def _refuse_what_a_graph_cannot_do(captured, module: nn.Module, switched: list, 
     if constants:
         raise TracingError(f"the capture took {', '.join(constants[:4])} as constants (a module reached through a "
                            "plain attribute, not a registered child): no gradient would reach them")
+
+
+def _opaque_modules_with_parameters(wrapper: nn.Module, opaque: dict) -> list[str]:
+    """The modules holding parameters that fx could not trace: convert() would run them under autocast; in
+    place they are parts of their own instead (through their parent running as written)."""
+    found = []
+    for path in opaque:
+        try:
+            module = wrapper.get_submodule(path)
+        except AttributeError:   # an opaque function, not a module
+            continue
+        if any(True for _ in module.parameters()):
+            found.append(path)
+    return found
 
 
 def _read_live_tensors(gm: nn.Module, module: nn.Module) -> None:

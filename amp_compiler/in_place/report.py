@@ -15,6 +15,8 @@ own forward: running_as_written), verify() checks each graph on the inputs it re
 """
 from __future__ import annotations
 
+import re
+
 import contextlib
 import dataclasses
 
@@ -72,6 +74,11 @@ def user_path(part_path: str, module: str) -> str:
     return ".".join(p for p in (part_path, inside) if p)
 
 
+def _user_paths_in(part_path: str, text: str) -> str:
+    """A note naming the graph's modules ("could not trace inner.model") in the user's paths."""
+    return re.sub(r"\binner(\.[\w.]+)?\b", lambda match: user_path(part_path, match.group(0)) or "the model", text)
+
+
 def merged_summary(conversion: InPlaceConversion, summaries: list[tuple[str, dict]]) -> dict:
     """What the report's opening lines read: the conversion's config, each graph's facts renamed, the parts."""
     config = conversion.config
@@ -85,7 +92,7 @@ def merged_summary(conversion: InPlaceConversion, summaries: list[tuple[str, dic
     for path, graph_summary in summaries:
         summary.setdefault("devices", graph_summary.get("devices"))
         summary["leaf_modules"] += [user_path(path, leaf) for leaf in graph_summary.get("leaf_modules", ())]
-        summary["notes"] += [f"{path or 'the model'}: {note}" for note in graph_summary.get("notes", ())]
+        summary["notes"] += [f"{path or 'the model'}: {_user_paths_in(path, note)}" for note in graph_summary.get("notes", ())]
         summary["casts"] += graph_summary.get("casts", 0)
         _add_calibration(summary["pass_counts"], graph_summary.get("pass_counts", {}).get("calibrate_ranges"))
         for name in ("opaque", "hooks", "training_reads"):

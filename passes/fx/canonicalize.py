@@ -84,6 +84,12 @@ def mutates_first_input(node: fx.Node) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE_OPERATORS
 
 
+# Tensor attributes that are not tensors (getattr reads them without math); any other attribute a graph reads
+# (a ModelOutput's field behind an opaque call, x.T) is a value, painted like getitem.
+METADATA_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_cuda",
+                                 "is_sparse", "is_quantized", "is_meta", "names", "itemsize", "nbytes"})
+
+
 def canonical_op(node: fx.Node, root: nn.Module) -> str:
     """The canonical op name of one node ('placeholder', 'get_attr', 'output' for the graph's edges)."""
     if node.op in ("placeholder", "get_attr", "output"):
@@ -105,8 +111,8 @@ def canonical_op(node: fx.Node, root: nn.Module) -> str:
         return _strip(target.overloadpacket.__name__)
     if isinstance(target, torch._ops.OpOverloadPacket):
         return _strip(target.__name__)
-    if target is getattr:
-        return "getattr"
+    if target is getattr:   # x.shape, x.dtype: metadata; out.last_hidden_state: a value picked from a container
+        return "getattr" if node.args[1] in METADATA_ATTRIBUTES else "getitem"
     if target is operator.getitem:
         return "getitem"
     if target is operator.matmul:
