@@ -87,7 +87,7 @@ class AmpTraining:
         if in_place_conversion(module) is None:   # a second fit() on the same model keeps its conversion
             amp_compiler.convert(module, self.level, inplace=True, dtype=self.dtype, **self.convert_options)
             if _is_lightning_module(module):
-                in_place_conversion(module).parts[""]._children_become_parts()
+                in_place_conversion(module).parts[""].children_become_parts()
         self.model = module
         return module
 

@@ -118,9 +118,9 @@ class Part:
     def _record_as_written(self, key, reason: str, children: bool = True):
         self.as_written[key] = reason
         if children:
-            self._children_become_parts()
+            self.children_become_parts()
 
-    def _children_become_parts(self):
+    def children_become_parts(self):
         if self.children_are_parts:
             return
         self.children_are_parts = True
