@@ -19,6 +19,7 @@ from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from amp_compiler.frontend.hooks import HOOK_DICTS
+from amp_compiler.in_place.part import PartForward
 
 _NOT_BAKED = ("training", "forward")   # flags are watched apart (Graph.watched); forward is the part's own
 _CONSTANTS = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -45,22 +46,26 @@ def _same(now, then) -> bool:
 
 class ModuleState:
     """The attributes, children and hooks of a part's modules when it was captured; holds() says they still are."""
-    __slots__ = ("values", "sizes", "attribute_counts", "hook_keys")
+    __slots__ = ("values", "contents", "forwards", "sizes", "attribute_counts", "hook_keys")
 
     def __init__(self, part_module: nn.Module):
         self.values: list = []      # (container, name, value the capture saw)
+        self.contents: list = []    # (container, name, items): a list or dict of constants changed in place
+        self.forwards: list = []    # (child's instance dict, the forward put there): `child.forward = ...` since
         self.sizes: list = []       # (container, length): a child or hook added since
         self.attribute_counts: list = []   # [instance dict, its length, public attributes]: one added since
         self.hook_keys: list = []   # (hook dict, its handles): a hook swapped for another
         settings_seen: set = set()
         for module in part_module.modules():
-            self.values += [(module.__dict__, name, value) for name, value in _plain_attributes(module)]
-            self.values += _settings_values(module, settings_seen)
+            self._add(module.__dict__, _plain_attributes(module), all_values=True)
+            for settings in _settings_objects(module, settings_seen):
+                self._add(settings, settings.items(), all_values=False)
             self.values += [(module._modules, name, child) for name, child in module._modules.items()]
             self.sizes.append((module._modules, len(module._modules)))
             self.attribute_counts.append([module.__dict__, len(module.__dict__), len(_plain_attributes(module))])
             if module is part_module:   # the part's own hooks fire around its call, graph or not
                 continue
+            self.forwards.append((module.__dict__, _instance_forward(module.__dict__)))
             for name in HOOK_DICTS:
                 hooks = module.__dict__.get(name)
                 if hooks is not None:
@@ -68,11 +73,39 @@ class ModuleState:
                     if hooks:
                         self.hook_keys.append((hooks, tuple(hooks)))
 
+    def _add(self, container: dict, items, all_values: bool) -> None:
+        """Constants and lists/dicts of constants by value; other objects (when all_values) by identity."""
+        for name, value in items:
+            items_now = _constant_items(value)
+            if items_now is not None:
+                self.contents.append((container, name, items_now))
+            elif all_values or value is None or _constant(value):
+                self.values.append((container, name, value))
+
     def holds(self) -> bool:
         return (all(len(container) == size for container, size in self.sizes)
                 and all(len(counts[0]) == counts[1] or _same_public_count(counts) for counts in self.attribute_counts)
                 and all(_same(container.get(name, _MISSING), value) for container, name, value in self.values)
+                and all(_constant_items(container.get(name)) == items for container, name, items in self.contents)
+                and all(_instance_forward(attributes) is forward for attributes, forward in self.forwards)
                 and all(tuple(hooks) == keys for hooks, keys in self.hook_keys))
+
+
+def _constant_items(value):
+    """A list's items or a dict's (key, value) pairs as a tuple when they are all constants, else None."""
+    if type(value) is list:
+        items = tuple(value)
+    elif type(value) is dict:
+        items = tuple(value.items())
+    else:
+        return None
+    return items if _constant(items) else None
+
+
+def _instance_forward(attributes: dict):
+    # the in-place conversion's own forward (the child became a part) is the class's forward, as traced
+    forward = attributes.get("forward", _MISSING)
+    return _MISSING if isinstance(forward, PartForward) else forward
 
 
 def _same_public_count(counts: list) -> bool:
@@ -85,18 +118,18 @@ def _same_public_count(counts: list) -> bool:
     return True
 
 
-def _settings_values(module: nn.Module, seen: set) -> list:
-    """The constants inside objects the module holds (a Hugging Face config: `model.config.output_hidden_states
+def _settings_objects(module: nn.Module, seen: set) -> list[dict]:
+    """The instance dicts of objects the module holds (a Hugging Face config: `model.config.output_hidden_states
     = True` after the capture must reach the forward that reads it), each object once."""
-    values = []
+    found = []
     for _, value in _plain_attributes(module):
         if id(value) in seen or isinstance(value, _NOT_SETTINGS) or type(value) in _CONSTANTS:
             continue
         attributes = getattr(value, "__dict__", None)
         if type(attributes) is dict:
             seen.add(id(value))
-            values += [(attributes, name, item) for name, item in attributes.items() if item is None or _constant(item)]
-    return values
+            found.append(attributes)
+    return found
 
 
 def assigned_attributes(traced: nn.Module, part_module: nn.Module) -> list[str]:
@@ -173,3 +206,11 @@ def _storage(tensor: torch.Tensor):
         return tensor.untyped_storage().data_ptr()
     except Exception:  # noqa: BLE001 - fake and meta tensors have no storage to share
         return None
+
+
+def leaves_with_their_own_forward(tree: nn.Module) -> list[str]:
+    """Modules of the capture's copy that the tracer keeps as leaves (Linear, Conv, norms: lowered by what
+    their class computes) while an instance `forward` put on them (a wrapper, a patch) is what they run."""
+    from amp_compiler.frontend.fx_capture import is_leaf_module
+    return [path or type(tree).__name__ for path, module in tree.named_modules()
+            if "forward" in module.__dict__ and is_leaf_module(module)]
