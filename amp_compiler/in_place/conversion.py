@@ -276,15 +276,18 @@ class _fp32_while_captured:
 
     def __init__(self, module: nn.Module, enabled: bool):
         tensors = (*module.parameters(), *module.buffers()) if enabled else ()
-        self.low = [(t, t.data) for t in tensors if t.dtype in (torch.float16, torch.bfloat16)]
+        self.low = [(t, t.data, t.grad) for t in tensors if t.dtype in (torch.float16, torch.bfloat16)]
 
     def __enter__(self):
-        for tensor, data in self.low:
+        # a low gradient on the fp32 copy makes fake-tensor propagation fail (eval after a training step)
+        for tensor, data, _ in self.low:
+            tensor.grad = None
             tensor.data = data.float()
 
     def __exit__(self, *exc):
-        for tensor, data in self.low:
+        for tensor, data, grad in self.low:
             tensor.data = data
+            tensor.grad = grad
 
 
 class _effects_undone:
