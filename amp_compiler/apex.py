@@ -208,14 +208,16 @@ def _returned(models, model_list, optimizers, optimizer_list):
 
 
 def _check_fresh(models: list, optimizers: list) -> None:
+    again = any(hasattr(optimizer, "_amp_stash") for optimizer in optimizers) or any(
+        getattr(in_place_conversion(model), "weights_cast_low", False) for model in models)
+    if again:   # before the dtype check: its advice (model.float()) would leave the first masters stale
+        raise RuntimeError("a model or optimizer went through amp_compiler.initialize already: call initialize "
+                           "once, with every model and optimizer (lists)")
     for model in models:
         low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in LOW})
         if low:   # Apex's check_params_fp32: the masters must start from fp32 weights
             raise ValueError(f"{type(model).__name__} has {', '.join(low)} parameters: initialize() starts from "
                              "an fp32 model (O2/O3 cast the weights themselves). Call model.float() first.")
-    if any(hasattr(optimizer, "_amp_stash") for optimizer in optimizers):
-        raise RuntimeError("an optimizer went through amp_compiler.initialize already: call initialize once, "
-                           "with every model and optimizer (lists)")
 
 
 def _convert_and_prepare(models: list, optimizers: list, properties: Properties) -> dict:

@@ -42,3 +42,15 @@ def test_eval_after_a_training_step_with_low_weights_runs_the_eval_graph(level):
     torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads)), "capture changed the grads"
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_a_second_initialize_of_the_same_o2_model_says_initialize_once():
+    """It said 'Call model.float() first': following that advice converts the weights a second time and
+    leaves the first masters stale."""
+    model = _tiny_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = apex.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    with pytest.raises(RuntimeError, match="call initialize once"):
+        apex.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    with pytest.raises(RuntimeError, match="call initialize once"):
+        apex.initialize(model, opt_level="O2", verbosity=0)
