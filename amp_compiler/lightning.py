@@ -106,7 +106,7 @@ class AmpTraining:
         state = self.scaler._optimizer_states.get(id(optimizer), {})
         return bool(state.get("found_inf")) and self.scaler.get_drop_overflow_update()
 
-    def report_skip(self, replay: Callable[[], Any] | None, forward_only: bool = False) -> None:
+    def report_skip(self, replay: Callable[[], Any] | None, replayed: str = "step") -> None:
         """Log a skipped step; the first one is replayed through locate_overflow to say where it overflowed."""
         self.skipped_steps += 1
         what = (f"amp_compiler: inf/nan gradients, optimizer step skipped ({self.skipped_steps} skipped so far, "
@@ -114,15 +114,13 @@ class AmpTraining:
         if self.skipped_steps > 1 or replay is None:
             _log_on_rank_zero(self.log, logging.WARNING, what)
             return
-        self.log.warning(f"{what}{_rank_prefix()}: {self.locate(replay, forward_only)}")
+        self.log.warning(f"{what}{_rank_prefix()}: {self.locate(replay, replayed)}")
 
-    def locate(self, replay: Callable[[], Any], forward_only: bool) -> str:
+    def locate(self, replay: Callable[[], Any], replayed: str) -> str:
         report = locate_overflow(self.model, replay)
         self.scaler.record_overflow(report)
         if report is not None:
             return str(report)
-        replayed = "forward (Fabric has no closure: the loss and backward are the user's)" if forward_only \
-            else "step"
         return (f"the replayed {replayed} stayed finite on this rank (the overflow came from another rank, "
                 "or depends on state the replay does not restore)")
 
@@ -194,7 +192,7 @@ class AmpPrecision(ScalerHooks, Precision):
             return closure_result
         step_output = self.scaler.step(optimizer, **kwargs)
         if self.amp.step_overflowed(optimizer):
-            self.amp.report_skip(_closure_replay(model, closure, rng_before))
+            self.amp.report_skip(_closure_replay(model, closure, rng_before), _replayed_step(model))
         self.scaler.update()
         self.amp.after_step()
         return step_output
@@ -239,7 +237,8 @@ class AmpFabricPrecision(ScalerHooks, FabricPrecision):
         _refuse_lbfgs(optimizer)
         step_output = self.scaler.step(optimizer, **kwargs)
         if self.amp.step_overflowed(optimizer):
-            self.amp.report_skip(self._forward_replay(), forward_only=True)
+            self.amp.report_skip(self._forward_replay(),
+                                 "forward (Fabric has no closure: the loss and backward are the user's)")
         self.scaler.update()
         self.amp.after_step()
         return step_output
@@ -295,6 +294,15 @@ def _closure_replay(model, closure: Callable[[], Any], rng_before) -> Callable[[
         with _rng_restored(rng_before), no_sync():
             return closure()
     return replay
+
+
+def _replayed_step(model) -> str:
+    """What the replay covers: with gradient accumulation only the window's last micro-batch is replayed."""
+    accumulated = getattr(model.trainer, "accumulate_grad_batches", 1)
+    if accumulated > 1:
+        return (f"step (only the last of the {accumulated} accumulated micro-batches: the overflow may be in an "
+                "earlier one)")
+    return "step"
 
 
 def _rng_state() -> tuple:

@@ -1,6 +1,7 @@
 """A critical review of the integrations (apex.py, lightning.py, huggingface.py, accelerate.py): each test is a
 probe that found, or rules out, a silently wrong result or a crash in a common training pattern."""
 import copy
+import logging
 
 import pytest
 import torch
@@ -54,3 +55,67 @@ def test_a_second_initialize_of_the_same_o2_model_says_initialize_once():
         apex.initialize(model, optimizer, opt_level="O2", verbosity=0)
     with pytest.raises(RuntimeError, match="call initialize once"):
         apex.initialize(model, opt_level="O2", verbosity=0)
+
+
+# -- Lightning ---------------------------------------------------------------------------------------------------
+def _lightning_module(inf_batch=None):
+    import lightning.pytorch as pl
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if batch_idx == inf_batch:
+                x = x.clone()
+                x[0, 0] = float("inf")
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+    return Tiny()
+
+
+def _lightning_fit(module, plugins=(), **settings):
+    import lightning.pytorch as pl
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 8, generator=generator),
+                                          torch.randint(0, 4, (8,), generator=generator))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, plugins=list(plugins), **settings)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    return trainer
+
+
+def _flat(module):
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def test_lightning_fp16_gradient_accumulation_scales_once_per_step_and_names_the_replayed_micro_batch():
+    """Accumulated fp16 steps follow fp32's; an inf in the window's FIRST micro-batch skips the step, and the
+    report says the replay (the window's last micro-batch) may miss it instead of blaming another rank."""
+    from amp_compiler.lightning import AmpPrecision
+    reference, amp = _lightning_module(), _lightning_module()
+    _lightning_fit(reference, max_steps=2, accumulate_grad_batches=2)
+    _lightning_fit(amp, [AmpPrecision("O1", dtype=torch.float16)], max_steps=2, accumulate_grad_batches=2)
+    start = _flat(_lightning_module())
+    assert (_flat(reference) - start).norm() > 0.1
+    assert (_flat(amp) - _flat(reference)).norm() <= 1e-2 * (_flat(reference) - start).norm()
+
+    skipped = _lightning_module(inf_batch=0)
+    plugin = AmpPrecision("O1", dtype=torch.float16)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("lightning.pytorch.amp_compiler").addHandler(handler)
+    try:
+        _lightning_fit(skipped, [plugin], max_steps=1, accumulate_grad_batches=2)
+    finally:
+        logging.getLogger("lightning.pytorch.amp_compiler").removeHandler(handler)
+    assert torch.equal(_flat(skipped), start)   # the window's step was skipped: nothing moved
+    assert plugin.scaler.get_scale() == 2.0 ** 15
+    warning = next(r.getMessage() for r in records if r.levelno == logging.WARNING)
+    assert "last of the 2 accumulated micro-batches" in warning, warning
