@@ -18,7 +18,8 @@ given to Fabric is converted alone (Fabric calls its forward).
 fp16 loss scaling uses this project's scaler (`amp_compiler.GradScaler`, or any `LossScaleManager` passed as
 `scaler=`), in the order of Lightning's own MixedPrecision plugin: `pre_backward` (Fabric: `backward`) scales
 the loss; `optimizer_step` runs the closure, unscales, runs `on_before_optimizer_step` and gradient clipping on
-unscaled gradients, steps (or skips on inf/nan: the scaler all-reduces its overflow flag under DDP) and updates.
+unscaled gradients, steps (or skips on inf/nan: the scaler all-reduces its overflow flag under DDP) and updates (in manual
+optimization at the next backward: one backward may feed several optimizers' steps).
 A skipped step is logged with the running count; the first one is replayed once (the closure, from the RNG
 state it started with) through `amp_compiler.train.overflow_report.locate_overflow` to say where it
 overflowed. There is no autocast underneath (`forward_context` is a no-op): the graphs carry the casts. bf16
@@ -165,6 +166,7 @@ class AmpPrecision(ScalerHooks, Precision):
         self.amp = AmpTraining(level, dtype, scaler, report_html, convert_options,
                                logging.getLogger("lightning.pytorch.amp_compiler"))
         self.precision = LOW_DTYPES[dtype]
+        self._scale_update_pending = False   # manual optimization: the scaler updates at the next backward
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         _refuse_unsupported_strategy(module)
@@ -172,8 +174,19 @@ class AmpPrecision(ScalerHooks, Precision):
 
     def pre_backward(self, tensor: torch.Tensor, module) -> torch.Tensor:
         if self.scaler is not None:
+            self._update_deferred_scale()
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.scaler is not None:
+            self._update_deferred_scale()   # the checkpoint holds the scale the next step uses
+        return super().state_dict()
+
+    def _update_deferred_scale(self) -> None:
+        if self._scale_update_pending:
+            self._scale_update_pending = False
+            self.scaler.update()
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         if self.scaler is None:
@@ -193,7 +206,10 @@ class AmpPrecision(ScalerHooks, Precision):
         step_output = self.scaler.step(optimizer, **kwargs)
         if self.amp.step_overflowed(optimizer):
             self.amp.report_skip(_closure_replay(model, closure, rng_before), _replayed_step(model))
-        self.scaler.update()
+        if model.automatic_optimization:
+            self.scaler.update()
+        else:   # one manual_backward may feed several optimizers' steps: update before the next backward scales
+            self._scale_update_pending = True
         self.amp.after_step()
         return step_output
 

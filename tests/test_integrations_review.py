@@ -119,3 +119,58 @@ def test_lightning_fp16_gradient_accumulation_scales_once_per_step_and_names_the
     assert plugin.scaler.get_scale() == 2.0 ** 15
     warning = next(r.getMessage() for r in records if r.levelno == logging.WARNING)
     assert "last of the 2 accumulated micro-batches" in warning, warning
+
+
+def _two_optimizer_module(one_backward: bool, inf_batch=None):
+    """Manual optimization: one loss feeding two optimizers' steps, or the GAN pattern (a backward each)."""
+    import lightning.pytorch as pl
+
+    class TwoOptimizers(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if batch_idx == inf_batch:
+                x = x.clone()
+                x[0, 0] = float("inf")
+            first, second = self.optimizers()
+            if one_backward:
+                first.zero_grad()
+                second.zero_grad()
+                self.manual_backward(nn.functional.cross_entropy(self.b(self.a(x)), y))
+                first.step()
+                second.step()
+                return
+            first.zero_grad()
+            self.manual_backward(self.b(self.a(x)).float().pow(2).mean())
+            first.step()
+            second.zero_grad()
+            self.manual_backward(nn.functional.cross_entropy(self.b(self.a(x).detach()), y))
+            second.step()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.a.parameters(), lr=0.5), torch.optim.SGD(self.b.parameters(), lr=0.5)
+    return TwoOptimizers()
+
+
+@pytest.mark.parametrize("one_backward", [True, False], ids=["one_backward_two_steps", "gan"])
+def test_lightning_manual_optimization_with_two_optimizers_follows_fp32(one_backward):
+    """One backward then two optimizer steps crashed ('unscale_() was called with no scale()'): the plugin
+    updated the scale after the first step, as if the iteration had ended. The update now waits for the next
+    backward (or a checkpoint); an inf skips both steps and halves the scale once."""
+    from amp_compiler.lightning import AmpPrecision
+    reference, amp = _two_optimizer_module(one_backward), _two_optimizer_module(one_backward)
+    _lightning_fit(reference, max_steps=4)
+    _lightning_fit(amp, [AmpPrecision("O1", dtype=torch.float16)], max_steps=4)
+    start = _flat(_two_optimizer_module(one_backward))
+    assert (_flat(reference) - start).norm() > 0.1
+    assert (_flat(amp) - _flat(reference)).norm() <= 1e-2 * (_flat(reference) - start).norm()
+    if one_backward:
+        skipped, plugin = _two_optimizer_module(True, inf_batch=0), AmpPrecision("O1", dtype=torch.float16)
+        _lightning_fit(skipped, [plugin], max_steps=2)   # manual: max_steps counts each optimizer's step
+        assert torch.equal(_flat(skipped), start)
+        assert plugin.state_dict()["loss_scale"] == 2.0 ** 15
