@@ -18,8 +18,8 @@ given to Fabric is converted alone (Fabric calls its forward).
 fp16 loss scaling uses this project's scaler (`amp_compiler.GradScaler`, or any `LossScaleManager` passed as
 `scaler=`), in the order of Lightning's own MixedPrecision plugin: `pre_backward` (Fabric: `backward`) scales
 the loss; `optimizer_step` runs the closure, unscales, runs `on_before_optimizer_step` and gradient clipping on
-unscaled gradients, steps (or skips on inf/nan: the scaler all-reduces its overflow flag under DDP) and updates (in manual
-optimization at the next backward: one backward may feed several optimizers' steps).
+unscaled gradients, steps (or skips on inf/nan: the scaler all-reduces its overflow flag under DDP) and
+updates (in manual optimization at the next backward: one backward may feed several optimizers' steps).
 A skipped step is logged with the running count; the first one is replayed once (the closure, from the RNG
 state it started with) through `amp_compiler.train.overflow_report.locate_overflow` to say where it
 overflowed. There is no autocast underneath (`forward_context` is a no-op): the graphs carry the casts. bf16
