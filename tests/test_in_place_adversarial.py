@@ -114,6 +114,7 @@ class StoresState(Pair):
     def forward(self, x):
         self.calls += 1
         self.cache = self.a(x)
+        self._private_calls = getattr(self, "_private_calls", 0) + 1   # private names count too
         return self.b(self.cache)
 
 
@@ -123,7 +124,7 @@ def test_a_forward_that_assigns_attributes_runs_as_written_and_its_children_conv
     x = torch.randn(4, 8)
     for _ in range(3):
         out = model(x)
-    assert model.calls == 3 and torch.equal(model.cache, model.a(x))
+    assert model.calls == 3 and model._private_calls == 3 and torch.equal(model.cache, model.a(x))
     assert close(out, model.b(model.a(x)))
     assert any("assigns calls, cache" in reason for reason in parts(model)[""].as_written.values())
     assert parts(model)["a"].graphs and parts(model)["b"].graphs

@@ -132,17 +132,21 @@ def _settings_objects(module: nn.Module, seen: set) -> list[dict]:
     return found
 
 
+# what nn.Module keeps in every instance dict (hook and tensor dicts: the capture's copy has its own)
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"forward"}
+
+
 def assigned_attributes(traced: nn.Module, part_module: nn.Module) -> list[str]:
-    """`self.x = ...` the forward did while traced (on the capture's copy `traced` of `part_module`'s tree)."""
+    """`self.x = ...` (private names too) the forward did while traced (on the capture's copy `traced` of `part_module`'s tree)."""
     originals = dict(part_module.named_modules(remove_duplicate=False))
     assigned = []
     for path, copy in traced.named_modules(remove_duplicate=False):
         original = originals.get(path)
         if original is None:
             continue
-        before = dict(_plain_attributes(original))
-        assigned += [f"{path}.{name}" if path else name for name, value in _plain_attributes(copy)
-                     if not _same_or_copied(value, before.get(name, _MISSING))]
+        before = original.__dict__
+        assigned += [f"{path}.{name}" if path else name for name, value in copy.__dict__.items()
+                     if name not in _MODULE_INTERNALS and not _same_or_copied(value, before.get(name, _MISSING))]
     return assigned
 
 
