@@ -272,9 +272,7 @@ def test_an_instance_forward_on_a_leaf_is_what_runs():
     assert torch.equal(convert(patched)(x), torch.zeros(4, 8))
 
 
-@pytest.mark.xfail(strict=True, reason="convert() bug, not in place: frontend.fx_capture.is_leaf_module keeps a "
-                   "Linear whose instance dict has its own `forward` as a leaf, and the graph computes the class's "
-                   "linear (fix: not a leaf when 'forward' in module.__dict__)")
+# fixed: frontend.fx_capture.is_leaf_module kept such a Linear as a leaf: the graph computed the class's linear
 def test_convert_of_a_model_whose_leaf_has_an_instance_forward():
     model = Pair()
     model.a.forward = zeroing_forward

@@ -34,6 +34,9 @@ from amp_compiler.passes.fx.runtime import amp_opaque_call
 def is_leaf_module(module: nn.Module) -> bool:
     if not isinstance(module, LEAF_MODULE_TYPES):
         return False
+    own = module.__dict__.get("forward")
+    if own is not None and not getattr(own, "_amp_part_forward", False):   # `linear.forward = f`: traced into
+        return False
     # torch.nn's own forward, not an override: the rules know what the leaf computes.
     owner = next(cls for cls in type(module).__mro__ if "forward" in cls.__dict__)
     return owner.__module__.startswith("torch.nn.")
