@@ -183,8 +183,9 @@ def locate_and_record(model: nn.Module, replay: Callable[[], Any], scaler: LossS
     """locate_overflow(model, replay); the report is logged here and recorded on the scaler."""
     report = scaler.record_overflow(locate_overflow(model, replay))   # None is recorded too: no stale report
     if report is None:
-        logger.warning("amp_compiler: fp16 step skipped, but its replay stayed finite (the overflow depends on "
-                       "state the replay does not restore, e.g. dropout masks)")
+        logger.warning("amp_compiler: fp16 step skipped, but its replay stayed finite (the overflow was in "
+                       "another micro-batch of the gradient accumulation window, or depends on state the replay "
+                       "does not restore, e.g. dropout masks)")
         return None
     logger.warning(f"amp_compiler: fp16 step skipped (loss scale {scaler.get_scale():g} after backing off): {report}")
     return report

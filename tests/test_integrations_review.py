@@ -174,3 +174,59 @@ def test_lightning_manual_optimization_with_two_optimizers_follows_fp32(one_back
         _lightning_fit(skipped, [plugin], max_steps=2)   # manual: max_steps counts each optimizer's step
         assert torch.equal(_flat(skipped), start)
         assert plugin.state_dict()["loss_scale"] == 2.0 ** 15
+
+
+# -- Accelerate ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_accelerator():
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def test_accelerate_fp16_accumulation_follows_fp32_and_a_finite_replay_names_the_other_micro_batches(
+        fresh_accelerator, caplog):
+    """accelerator.accumulate with fp16: one unscale and one skip per window. An inf in the window's first
+    micro-batch skips the step; explain_overflow replaying another micro-batch stays finite, and the warning
+    now names that possibility (it blamed only state the replay does not restore)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    import amp_compiler.accelerate as amp_accelerate
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2, 8, generator=generator), torch.randint(0, 4, (2,), generator=generator))
+            for _ in range(4)]
+
+    def train(amp: bool, inf_at=None):
+        AcceleratorState._reset_state(True)
+        accelerator = Accelerator(mixed_precision="no", cpu=True, gradient_accumulation_steps=2)
+        model = _tiny_mlp().eval()   # no dropout: the runs compare directly
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        prepare = amp_accelerate.prepare if amp else lambda acc, *objects, **_: acc.prepare(*objects)
+        model, optimizer = prepare(accelerator, model, optimizer, dtype=torch.float16)
+        skipped = []
+        for index, (x, y) in enumerate(data):
+            if index == inf_at:
+                x = x.clone()
+                x[0, 0] = float("inf")
+            with accelerator.accumulate(model):
+                accelerator.backward(nn.functional.cross_entropy(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+                if accelerator.sync_gradients:
+                    skipped.append(optimizer.step_was_skipped)
+        return model, accelerator, skipped
+
+    reference, _, _ = train(False)
+    ours, accelerator, skipped = train(True)
+    start = _flat(_tiny_mlp())
+    assert skipped == [False, False] and (_flat(reference) - start).norm() > 0.1
+    assert (_flat(ours) - _flat(reference)).norm() <= 1e-2 * (_flat(reference) - start).norm()
+
+    model, accelerator, skipped = train(True, inf_at=0)
+    assert skipped == [True, False] and accelerator.scaler.get_scale() == 2.0 ** 15
+    x, y = data[1]
+    with caplog.at_level(logging.WARNING, logger="amp_compiler.accelerate"):
+        report = amp_accelerate.explain_overflow(accelerator, model,
+                                                 lambda: nn.functional.cross_entropy(model(x), y))
+    assert report is None and "another micro-batch" in caplog.text
