@@ -19,7 +19,7 @@ from torch import nn
 
 from amp_compiler.frontend.errors import TracingError, user_frame
 from amp_compiler.frontend.example_inputs import check_input_count
-from amp_compiler.frontend.export_capture import export_failure, export_graph
+from amp_compiler.frontend.export_capture import export_failure, export_graph, parameters_read_as_constants
 from amp_compiler.frontend.integrations import prepare_for_export
 from amp_compiler.frontend.fx_capture import AmpTracer, is_leaf_module, optional_arguments, restore_output_type
 from amp_compiler.frontend.hooks import hook_kinds, hooked_modules, move_root_hooks, user_hooks_silenced
@@ -129,6 +129,11 @@ def _export(model, example_inputs, dynamic_shapes, notes) -> CapturedGraph:
     root = share_module_tree(model)
     with training_reads_recorded(root, skip=_follows_mode_when_exported) as reads, user_hooks_silenced():
         gm, export_notes = export_graph(model, root, example_inputs, dynamic_shapes)
+    constants = parameters_read_as_constants(gm, model)
+    if constants:   # no gradient would reach them: a silent wrong training step
+        raise TracingError(f"torch.export took the parameters {', '.join(constants[:4])} of {type(model).__name__} "
+                           "as constants (a module reached through a plain attribute, not a registered child): no "
+                           "gradient would reach them. Register that module as a child (self.x = module), or pass it in.")
     return CapturedGraph(gm, "torch.export", [], notes + export_notes, hooked=hooked_modules(root),
                        training_reads=read_flags(root, reads))
 

@@ -262,3 +262,30 @@ def _set_attr(module, target: str, value) -> None:
         setattr(module, name, value)
     else:
         module.register_buffer(name, value, persistent=False)
+
+
+def parameters_read_as_constants(graph_module: nn.Module, model: nn.Module) -> list[str]:
+    """The model's trainable parameters that the graph reads as plain tensors (torch.export lifts a module
+    reached through a plain attribute, `self.peer = sibling`, as constants): no gradient would reach them."""
+    trainable = {_storage(p): name for name, p in model.named_parameters() if p.requires_grad}
+    constants = []
+    for node in graph_module.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = _attribute(graph_module, node.target)
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and _storage(value) in trainable:
+            constants.append(trainable[_storage(value)])
+    return constants
+
+
+def _attribute(module: nn.Module, target: str):
+    for name in target.split("."):
+        module = getattr(module, name, None)
+    return module
+
+
+def _storage(tensor: torch.Tensor):
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - fake and meta tensors have no storage to share
+        return None

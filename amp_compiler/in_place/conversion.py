@@ -19,8 +19,8 @@ from amp_compiler.config import AmpConfig
 from amp_compiler.frontend import TracingError, capture, share_module_tree
 from amp_compiler.frontend.hooks import HOOK_DICTS
 from amp_compiler.in_place.call_key import Uncapturable, call_key
-from amp_compiler.in_place.guards import (ModuleState, assigned_attributes, grad_mode_changes,
-                                          leaves_with_their_own_forward, parameters_read_as_constants)
+from amp_compiler.frontend.export_capture import parameters_read_as_constants
+from amp_compiler.in_place.guards import ModuleState, assigned_attributes, grad_mode_changes
 from amp_compiler.in_place.part import Graph, Part, PartForward, bound_call, low_node_count
 
 ATTRIBUTE = "_amp_in_place"   # on the user's model: its InPlaceConversion
@@ -79,10 +79,6 @@ class InPlaceConversion:
         for name in HOOK_DICTS:   # the part's own hooks fire around its call, not again inside the graph
             if name in inner.__dict__:
                 inner.__dict__[name].clear()
-        patched = leaves_with_their_own_forward(inner)
-        if patched:   # the graph would compute the class's Linear/Conv/... instead
-            raise TracingError(f"{', '.join(patched[:4])} runs an instance forward of its own (module.forward = "
-                               "...), which a graph would replace by its class's computation")
         wrapper = bound_call(inner, args, kwargs, len(tensors))
         example = tuple(t.detach() for t in tensors)
         samples = self._calibration_samples(part, call_key(args, kwargs)[0])

@@ -183,38 +183,3 @@ def grad_mode_changes():
         yield changes
     finally:
         torch._C._set_grad_enabled, torch._C._InferenceMode = set_grad_enabled, inference_mode
-
-
-def parameters_read_as_constants(graph_module: nn.Module, model: nn.Module) -> list[str]:
-    """The model's trainable parameters that the graph reads as plain tensors (torch.export lifts a module
-    reached through a plain attribute, `self.peer = sibling`, as constants): no gradient would reach them."""
-    trainable = {_storage(p): name for name, p in model.named_parameters() if p.requires_grad}
-    constants = []
-    for node in graph_module.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        value = _attribute(graph_module, node.target)
-        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and _storage(value) in trainable:
-            constants.append(trainable[_storage(value)])
-    return constants
-
-
-def _attribute(module: nn.Module, target: str):
-    for name in target.split("."):
-        module = getattr(module, name, None)
-    return module
-
-
-def _storage(tensor: torch.Tensor):
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except Exception:  # noqa: BLE001 - fake and meta tensors have no storage to share
-        return None
-
-
-def leaves_with_their_own_forward(tree: nn.Module) -> list[str]:
-    """Modules of the capture's copy that the tracer keeps as leaves (Linear, Conv, norms: lowered by what
-    their class computes) while an instance `forward` put on them (a wrapper, a patch) is what they run."""
-    from amp_compiler.frontend.fx_capture import is_leaf_module
-    return [path or type(tree).__name__ for path, module in tree.named_modules()
-            if "forward" in module.__dict__ and is_leaf_module(module)]
