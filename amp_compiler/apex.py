@@ -335,6 +335,12 @@ class OptimizerStash:
             target.grad = total.to(target.dtype)
         return found
 
+    def backward_outside_scale_loss(self) -> bool:
+        """The model's low parameters have gradients and no master has one: a loss.backward() without
+        scale_loss, whose gradients the masters never see."""
+        return any(low.grad is not None for low, _ in self.pairs) and \
+            all(master.grad is None for _, master in self.pairs)
+
     @torch.no_grad()
     def masters_to_model(self) -> None:
         for low, master in self.pairs:
@@ -385,6 +391,10 @@ def _patch_methods(optimizer: torch.optim.Optimizer, stash: OptimizerStash, prop
             stash.skip_next_step = False
             stash.clear_master_grads()
             return None
+        if stash.backward_outside_scale_loss():
+            raise RuntimeError("optimizer.step() found gradients on the model's low weights but none on the fp32 "
+                               "master weights it steps: backward ran outside amp_compiler.scale_loss. Use "
+                               "`with amp_compiler.scale_loss(loss, optimizer) as scaled: scaled.backward()`")
         result = step()
         stash.masters_to_model()
         stash.clear_master_grads()
@@ -402,6 +412,8 @@ def _patch_methods(optimizer: torch.optim.Optimizer, stash: OptimizerStash, prop
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         add_param_group({**param_group, "params": stash.adopt(params, properties.master_weights, masters)})
 
+    if hasattr(step, "_wrapped_by_lr_sched"):   # a scheduler built before initialize: amp_step still calls it
+        amp_step._wrapped_by_lr_sched = True
     optimizer.step = types.MethodType(amp_step, optimizer)
     optimizer.zero_grad = types.MethodType(amp_zero_grad, optimizer)
     optimizer.add_param_group = types.MethodType(amp_add_param_group, optimizer)

@@ -2,6 +2,7 @@
 probe that found, or rules out, a silently wrong result or a crash in a common training pattern."""
 import copy
 import logging
+import warnings
 
 import pytest
 import torch
@@ -55,6 +56,33 @@ def test_a_second_initialize_of_the_same_o2_model_says_initialize_once():
         apex.initialize(model, optimizer, opt_level="O2", verbosity=0)
     with pytest.raises(RuntimeError, match="call initialize once"):
         apex.initialize(model, opt_level="O2", verbosity=0)
+
+
+def test_o2_step_after_a_backward_outside_scale_loss_raises_instead_of_doing_nothing():
+    """The masters get gradients only in scale_loss: a plain loss.backward() left them None and step()
+    silently moved nothing."""
+    model = _tiny_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = apex.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    model(torch.randn(2, 8)).float().sum().backward()
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        optimizer.step()
+
+
+def test_a_scheduler_built_before_initialize_keeps_working_without_a_warning():
+    """torch warned 'optimizer.step() has been overridden after learning rate scheduler initialization' at
+    every run where the scheduler came first (Apex's examples build it either way)."""
+    model = _tiny_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    model, optimizer = apex.initialize(model, optimizer, opt_level="O2", cast_model_type=torch.bfloat16,
+                                       verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            _one_apex_step(model, optimizer, torch.randn(2, 8))
+            scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
 
 
 # -- Lightning ---------------------------------------------------------------------------------------------------
