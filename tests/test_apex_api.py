@@ -549,8 +549,8 @@ def test_mistakes_are_named():
 @pytest.mark.slow
 @pytest.mark.real_models
 def test_tiny_llama_trains_at_o2_like_fp32():
-    """A Hugging Face decoder at O2 bf16: its attention runs as written (a KV-cache argument), its projections,
-    MLPs and head as graphs on bf16 weights; the loss follows the fp32 run's."""
+    """A Hugging Face decoder at O2 bf16, trained with labels: one graph (torch.export) on bf16 weights; the
+    loss follows the fp32 run's."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -574,7 +574,7 @@ def test_tiny_llama_trains_at_o2_like_fp32():
         reference_optimizer.step()
         assert loss.item() == pytest.approx(expected.item(), rel=5e-3)
     graphs = [path for path, part in model._amp_in_place.parts.items() if part.graphs]
-    assert "lm_head" in graphs and "model.layers.0.mlp" in graphs
+    assert graphs == [""]   # a call with labels is captured whole (torch.export), on the bf16 weights
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
