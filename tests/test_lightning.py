@@ -303,6 +303,13 @@ class RankRecorder(pl.Callback):
                        "report": str(trainer.precision_plugin.scaler.last_overflow_report)}, file)
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_spawn_one_ranks_inf_skips_the_step_on_both(tmp_path, monkeypatch):
@@ -310,6 +317,9 @@ def test_ddp_spawn_one_ranks_inf_skips_the_step_on_both(tmp_path, monkeypatch):
     # defined first (models/torchvision_ops.py, a no-op where torchvision's extension loads): a sitecustomize does
     (tmp_path / "sitecustomize.py").write_text("import amp_compiler.models.torchvision_ops\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    # a port free now (Lightning reuses the one an earlier run in this process chose: EADDRINUSE in CI)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     module = Classifier(inf_at_step=1, inf_on_rank=1)
     plugin = AmpPrecision(dtype=torch.float16, scaler=amp_compiler.GradScaler(init_scale=2.0 ** 10))
     fit(module, plugins=[plugin], strategy="ddp_spawn", devices=2, callbacks=[RankRecorder(tmp_path)])
