@@ -2,13 +2,15 @@
 graph captured for calls like this one, or captures it now, or runs the module as written.
 
     part(*args, **kwargs)
-      call_key -> a graph for this key and these train()/eval() flags -> run it
-               -> none yet -> capture the module on these inputs (capture + compile_graph, as convert() does)
+      call_key -> a graph for this key whose watched train()/eval() flags and ModuleState (guards.py: the
+                  attributes, children and hooks its capture saw) still hold -> run it
+               -> none -> capture the module on these inputs (capture + compile_graph, as convert() does)
                   -> something runs low: keep the graph          -> nothing runs low: as written (no cost)
-                  -> the capture fails, an argument cannot be captured (a KV cache), or the part has been
-                     captured CAPTURE_LIMIT times: as written, and its children become parts of their own
+                  -> an argument cannot be captured (a KV cache), the capture fails or leaves a module with
+                     parameters untraced, the forward does what a graph cannot (self.x = ..., no_grad), or
+                     the part has been captured CAPTURE_LIMIT times: as written, its children become parts
 A graph that raises on a call the module as written accepts assumed something about shapes: the part keys
-its calls by shape from then on and captures again (within the same limit).
+its calls by shape from then on and captures again (within the same limit). At O0 nothing is captured.
 """
 from __future__ import annotations
 
