@@ -19,6 +19,7 @@ from amp_compiler.config import AmpConfig
 from amp_compiler.frontend import TracingError, capture, share_module_tree
 from amp_compiler.frontend.hooks import HOOK_DICTS
 from amp_compiler.in_place.call_key import Uncapturable, call_key
+from amp_compiler.in_place import reuse
 from amp_compiler.frontend.export_capture import parameters_read_as_constants
 from amp_compiler.in_place.guards import ModuleState, assigned_attributes, grad_mode_changes
 from amp_compiler.in_place.part import Graph, Part, PartForward, bound_call, low_node_count
@@ -43,6 +44,8 @@ class InPlaceConversion:
     values_checked: object = None
     calling: bool = False         # a model call is running: a part called now is nested in it
     pack_linears: bool = False    # amp_compiler.frozen.pack_linears(model): frozen Linear copies oneDNN-packed
+    templates: dict = dataclasses.field(default_factory=reuse.Templates)   # signature -> graph to reuse
+    reused: int = 0               # graphs bound from a template instead of captured (reuse.py)
 
     def before_outermost_call(self) -> None:
         """Once per model call, before any part runs: the frozen copies whose weights' values changed go."""
@@ -65,21 +68,40 @@ class InPlaceConversion:
         return part
 
     def capture(self, part: Part, args: tuple, kwargs: dict, tensors: list) -> Graph:
-        """Capture `part.module` called as (args, kwargs) and compile it with this conversion's config."""
-        from amp_compiler.convert import compile_graph   # convert imports this module
+        """Capture `part.module` called as (args, kwargs) and compile it with this conversion's config, or bind
+        the graph of a structurally identical block captured before to this part's own modules (reuse.py)."""
         sharded = _fsdp_sharded_submodule(part.module)
         if sharded:   # one graph would inline it: FSDP2's hooks would never gather its parameters
             raise TracingError(f"its submodule {sharded} is sharded with FSDP2 (fully_shard), which gathers the "
                                "parameters around that module's own call: the submodule is a part of its own")
-        inner = share_module_tree(part.module)
-        # what the part runs as written, never a wrapper put on its forward since (it would call the part again)
-        inner.__dict__.pop("forward", None)
-        if part.own_forward is not None:
-            inner.__dict__["forward"] = part.own_forward
-        for name in HOOK_DICTS:   # the part's own hooks fire around its call, not again inside the graph
-            if name in inner.__dict__:
-                inner.__dict__[name].clear()
-        wrapper = bound_call(inner, args, kwargs, len(tensors))
+        wrapper = _capture_wrapper(part, args, kwargs, len(tensors))
+        # a block like one captured before (an LLM's layers): its graph, on this block's own modules (the model
+        # itself is like no other part; calibrated graphs hold ranges of their own block's values)
+        repeatable = part.path and not self.calibration
+        signature = reuse.signature(part, args, kwargs, tensors) if repeatable else None
+        template = self.templates.get(signature) if signature is not None else None
+        gm = template.bind(wrapper) if template is not None else None
+        if gm is not None:
+            self.reused += 1
+        else:
+            gm = self._capture_and_compile(part, wrapper, args, kwargs, tensors)
+            self.captured += 1
+            template = reuse.template_of(gm, part) if signature is not None else None
+            if template is not None:
+                self.templates[signature] = template
+        training_reads = gm.meta["amp"]["training_reads"]
+        _read_live_tensors(gm, part.module)
+        watched = [(part.module.get_submodule(path.removeprefix("inner").lstrip(".")), flag)
+                   for path, flag in training_reads.items() if path.startswith("inner")]
+        watched += _called_modules_flags(gm, part.module)
+        gm.meta["amp"]["part"] = part.path
+        gm.meta["amp"]["capture"] = self.captured + self.reused   # the order graphs were made in (latest shows)
+        if self.freeze:
+            _freeze_graph(gm, part.module.training, self)
+        return Graph(gm, watched, low_node_count(gm), ModuleState(part.module))
+
+    def _capture_and_compile(self, part: Part, wrapper, args: tuple, kwargs: dict, tensors: list):
+        from amp_compiler.convert import compile_graph   # convert imports this module
         example = tuple(t.detach() for t in tensors)
         samples = self._calibration_samples(part, call_key(args, kwargs)[0])
         fp32_weights = _fp32_while_captured(part.module, self.weights_cast_low)
@@ -91,17 +113,7 @@ class InPlaceConversion:
                 raise TracingError(f"{opaque[0].removeprefix('inner').lstrip('.') or 'it'} cannot be traced: "
                                    f"{captured.opaque[opaque[0]]}")
             _refuse_what_a_graph_cannot_do(captured, part.module, switched, self.model)
-            gm = compile_graph(captured, self.config, samples, follow_flags=False)
-        _read_live_tensors(gm, part.module)
-        watched = [(part.module.get_submodule(path.removeprefix("inner").lstrip(".")), flag)
-                   for path, flag in captured.training_reads.items() if path.startswith("inner")]
-        watched += _called_modules_flags(gm, part.module)
-        gm.meta["amp"]["part"] = part.path
-        self.captured += 1
-        gm.meta["amp"]["capture"] = self.captured
-        if self.freeze:
-            _freeze_graph(gm, part.module.training, self)
-        return Graph(gm, watched, low_node_count(gm), ModuleState(part.module))
+            return compile_graph(captured, self.config, samples, follow_flags=False)
 
     def freeze_graphs(self, sample_values: bool = True) -> None:
         """amp_compiler.freeze(model): the graphs captured so far keep weight copies, and those captured later."""
@@ -126,6 +138,19 @@ class InPlaceConversion:
             if sample_key == key:   # calls like the one captured: same graph inputs
                 samples.append(tuple(sample_tensors))
         return samples
+
+
+def _capture_wrapper(part: Part, args: tuple, kwargs: dict, count: int) -> nn.Module:
+    """BoundCall on a copy of the part's module tree that shares its tensors: what a capture traces."""
+    inner = share_module_tree(part.module)
+    # what the part runs as written, never a wrapper put on its forward since (it would call the part again)
+    inner.__dict__.pop("forward", None)
+    if part.own_forward is not None:
+        inner.__dict__["forward"] = part.own_forward
+    for name in HOOK_DICTS:   # the part's own hooks fire around its call, not again inside the graph
+        if name in inner.__dict__:
+            inner.__dict__[name].clear()
+    return bound_call(inner, args, kwargs, count)
 
 
 def _fsdp_sharded_submodule(module: nn.Module) -> str | None:
