@@ -155,12 +155,17 @@ def _export_fallback(model, example_inputs, dynamic_shapes, fx_error, notes) -> 
         raise export_failure(model, fx_error, export_error) from export_error
 
 
-def _check_dtypes(model: nn.Module, example_inputs) -> None:
-    """Refuse at convert time what would only fail (or do nothing) at call time."""
+def refuse_low_parameters(model: nn.Module) -> None:
+    """Mixed precision starts from an fp32 model: its fp32 parameters stay the masters."""
     low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
     if low:
         raise ValueError(f"{type(model).__name__} has {', '.join(low)} parameters: mixed precision starts from "
                          "an fp32 model (the fp32 parameters stay the masters). Call model.float() first.")
+
+
+def _check_dtypes(model: nn.Module, example_inputs) -> None:
+    """Refuse at convert time what would only fail (or do nothing) at call time."""
+    refuse_low_parameters(model)
     if example_inputs is None:
         return
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}

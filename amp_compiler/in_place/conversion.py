@@ -18,6 +18,7 @@ from torch import nn
 from amp_compiler.config import AmpConfig
 from amp_compiler.frontend import TracingError, capture, share_module_tree
 from amp_compiler.frontend.hooks import HOOK_DICTS
+from amp_compiler.frontend.capture import refuse_low_parameters
 from amp_compiler.in_place.call_key import Uncapturable, call_key
 from amp_compiler.in_place import reuse
 from amp_compiler.frontend.export_capture import parameters_read_as_constants
@@ -243,10 +244,7 @@ def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
                         f"got {type(example_inputs).__name__}")
-    low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
-    if low:
-        raise ValueError(f"{type(model).__name__} has {', '.join(low)} parameters: mixed precision starts from "
-                         "an fp32 model (the fp32 parameters stay the masters). Call model.float() first.")
+    refuse_low_parameters(model)
     conversion = InPlaceConversion(model, config, freeze)
     if calibration_data is not None:
         conversion.calibration = _record_calls(model, calibration_data)
