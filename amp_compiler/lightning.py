@@ -135,8 +135,15 @@ class AmpTraining:
 
 
 class ScalerHooks:
-    """The hooks both plugins share: the scaler in checkpoints, the report written at teardown."""
+    """What both plugins share: their arguments, the scaler in checkpoints, the report written at teardown."""
     amp: AmpTraining
+    logger_name: str   # where the plugin's lines go (beside Lightning's own)
+
+    def __init__(self, level: str = "O1", dtype: torch.dtype = torch.bfloat16, *,
+                 scaler: LossScaleManager | None = None, report_html: str | None = None,
+                 **convert_options: Any) -> None:
+        self.amp = AmpTraining(level, dtype, scaler, report_html, convert_options, logging.getLogger(self.logger_name))
+        self.precision = LOW_DTYPES[dtype]
 
     @property
     def scaler(self) -> LossScaleManager | None:
@@ -159,13 +166,10 @@ class AmpPrecision(ScalerHooks, Precision):
     level, dtype and the other keyword arguments go to `amp_compiler.convert`; `scaler` (fp16 only) defaults to
     `amp_compiler.GradScaler()`; `report_html` is where render() writes the model's picture at the end of fit."""
     precision = "bf16-mixed"
+    logger_name = "lightning.pytorch.amp_compiler"
 
-    def __init__(self, level: str = "O1", dtype: torch.dtype = torch.bfloat16, *,
-                 scaler: LossScaleManager | None = None, report_html: str | None = None,
-                 **convert_options: Any) -> None:
-        self.amp = AmpTraining(level, dtype, scaler, report_html, convert_options,
-                               logging.getLogger("lightning.pytorch.amp_compiler"))
-        self.precision = LOW_DTYPES[dtype]
+    def __init__(self, level: str = "O1", dtype: torch.dtype = torch.bfloat16, **options: Any) -> None:
+        super().__init__(level, dtype, **options)
         self._scale_update_pending = False   # manual optimization: the scaler updates at the next backward
 
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -223,13 +227,10 @@ class AmpFabricPrecision(ScalerHooks, FabricPrecision):
     Fabric has no closure: `backward` scales the loss, `optimizer_step` steps or skips and updates, and the
     first skipped step replays the last forward (its inputs, from the RNG state it started with)."""
     precision = "bf16-mixed"
+    logger_name = "lightning.fabric.amp_compiler"
 
-    def __init__(self, level: str = "O1", dtype: torch.dtype = torch.bfloat16, *,
-                 scaler: LossScaleManager | None = None, report_html: str | None = None,
-                 **convert_options: Any) -> None:
-        self.amp = AmpTraining(level, dtype, scaler, report_html, convert_options,
-                               logging.getLogger("lightning.fabric.amp_compiler"))
-        self.precision = LOW_DTYPES[dtype]
+    def __init__(self, level: str = "O1", dtype: torch.dtype = torch.bfloat16, **options: Any) -> None:
+        super().__init__(level, dtype, **options)
         self._last_call: tuple | None = None   # (inputs, RNG state) of the latest forward, for the replay
 
     def convert_module(self, module: nn.Module) -> nn.Module:
