@@ -16,6 +16,7 @@ from amp_compiler.insight.render import render
 from amp_compiler.insight.report_diff import PrecisionDiff
 from amp_compiler.train.step_outcome import Overflow
 from amp_compiler.train.network import TrainStep, build_train_network
+from amp_compiler.train.low_weights import LowWeights, low_weights
 from amp_compiler.insight.verify import DtypeMismatch, verify
 from amp_compiler.passes.policy.op_policy import default_lists
 from amp_compiler.passes.fx.constant_range import FP16RangeWarning
@@ -25,7 +26,7 @@ from amp_compiler.in_place import CaptureLimitWarning, restore
 __all__ = ["convert", "explain", "PrecisionReport", "TracingError", "AmpConfig", "make_config",
            "default_lists", "verify", "DtypeMismatch"]
 __all__ += ["LossScaleManager", "FixedLossScaleManager", "DynamicLossScaleManager", "build_train_network",
-            "TrainStep"]
+            "TrainStep", "low_weights", "LowWeights"]
 __all__ += ["GradScaler", "Overflow", "NonFiniteGradientsError"]
 __all__ += ["diff", "PrecisionDiff", "render", "compare", "ComparisonReport", "FP16RangeWarning", "HookWarning"]
 __all__ += ["freeze", "frozen_bytes", "load", "restore", "CaptureLimitWarning"]

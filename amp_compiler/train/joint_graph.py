@@ -81,7 +81,8 @@ def trace_joint_graph(module: torch.nn.Module, loss_fn, trainable: dict[str, tor
         used = [(name, grad) for name, grad in zip(trainable_names, grads) if grad is not None]
         grad_names[:] = [name for name, _ in used]
         inv_scale = torch.reciprocal(loss_scale)
-        unscaled = [grad * inv_scale for _, grad in used]
+        # a weight stored low (train/low_weights.py) has a low gradient: unscale it in fp32, where it lands
+        unscaled = [_to_fp32(grad) * inv_scale for _, grad in used]
         if unscaled:
             # A sum is inf/nan when a term is (inf - inf gives nan); finite terms overflow it only beyond
             # 3.4e38, also an overflow. One vectorised pass per gradient: ~25x cheaper than max(|g|).

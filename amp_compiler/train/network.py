@@ -28,6 +28,7 @@ from amp_compiler.train.bad_steps import BAD_STEP_MAX, BadStepLimit
 from amp_compiler.config import make_config
 from amp_compiler.convert import convert
 from amp_compiler.train.joint_graph import JointGraph, trace_joint_graph
+from amp_compiler.train.low_weights import LowWeights
 from amp_compiler.train.loss_scale import FixedLossScaleManager, LossScaleManager, default_loss_scale_manager
 from amp_compiler.train.step_outcome import Overflow, StepHistory
 from amp_compiler.train.train_checks import check_loss_scale_manager, check_train_arguments
@@ -49,7 +50,7 @@ class TrainStep:
     """
 
     def __init__(self, model: nn.Module, converted: fx.GraphModule, optimizer: torch.optim.Optimizer,
-                 loss_fn, loss_scale_manager) -> None:
+                 loss_fn, loss_scale_manager, low_weights: LowWeights | None = None) -> None:
         self.model = model
         self.converted = converted
         self.optimizer = optimizer
@@ -61,6 +62,10 @@ class TrainStep:
         # Our managers count non-finite steps themselves; a custom one (the seeds' 3 methods) is counted here.
         self._bad_steps = None if isinstance(self._scaling, LossScaleManager) else \
             BadStepLimit(getattr(self._scaling, "bad_step_max", BAD_STEP_MAX))
+        self.low_weights = low_weights   # O2: converted holds low copies, the optimizer steps fp32 masters
+        if low_weights is not None:
+            low_weights.driven_by_step = True
+        self._master_of = low_weights.master_of if low_weights is not None else (lambda param: param)
         self.history = StepHistory()
         self.last_note = ""
         self._named_parameters = list(converted.named_parameters())
@@ -89,6 +94,8 @@ class TrainStep:
         inputs, label = self._split(inputs_and_label)
         trainable = self._trainable()
         joint = self._joint_graph(inputs, label, trainable)
+        if self.low_weights is not None:
+            self.low_weights.refresh()   # the copies of the masters the last step changed
         scale = float(self._scaling.get_loss_scale())
         drop_on_overflow = self._scaling.get_drop_overflow_update()
         mutated = [self._tensors_by_name[name] for name in joint.mutated_state] if drop_on_overflow else []
@@ -100,7 +107,7 @@ class TrainStep:
                                                          torch.tensor(scale, dtype=torch.float32))
         grads, overflow = _synchronise(grads, found_inf)
         for name, grad in zip(joint.grad_names, grads):
-            trainable[name].grad = grad
+            self._master_of(trainable[name]).grad = grad
         if overflow and drop_on_overflow:
             with torch.no_grad():
                 for tensor, saved in zip(mutated, before):
@@ -136,7 +143,8 @@ class TrainStep:
 
     def _trainable(self) -> dict[str, nn.Parameter]:
         in_optimizer = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        return {name: p for name, p in self._named_parameters if id(p) in in_optimizer and p.requires_grad}
+        return {name: p for name, p in self._named_parameters
+                if id(self._master_of(p)) in in_optimizer and self._master_of(p).requires_grad}
 
     def _state(self, trainable: dict) -> dict[str, torch.Tensor]:
         frozen = {name: p for name, p in self._named_parameters if name not in trainable}
@@ -161,8 +169,12 @@ class TrainStep:
 
 def build_train_network(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, level: str = "O2",
                         dtype: torch.dtype = torch.float16, loss_scale_manager=None, example_inputs=None,
-                        **overrides) -> TrainStep:
+                        store_weights_low: bool | None = None, **overrides) -> TrainStep:
     """Convert `model` at `level` and return the training step; `overrides` are convert()'s options.
+
+    store_weights_low (default: True at O2 and O3): the weights only low ops read are held low between steps
+    and remade from the fp32 masters (the model's parameters, which the optimizer steps) after each applied
+    step, so no forward casts a weight (train/low_weights.py).
 
     Loss-scale defaults: O2 scales fp16 dynamically from 2**16 (the seeds' manager starts at 2**24, which
     only skips more first steps), bf16 at scale 1; O0, O1 and O3 do not scale unless `loss_scale_manager`
@@ -176,7 +188,10 @@ def build_train_network(model: nn.Module, optimizer: torch.optim.Optimizer, loss
     check_loss_scale_manager(loss_scale_manager)
     converted = convert(model, level, example_inputs=example_inputs, dtype=dtype,
                         loss_scale_manager=loss_scale_manager, **overrides)
-    return TrainStep(model, converted, optimizer, loss_fn, loss_scale_manager)
+    if store_weights_low is None:
+        store_weights_low = config.level in ("O2", "O3")
+    weights = LowWeights(converted, optimizer, config.low_dtype) if store_weights_low else None
+    return TrainStep(model, converted, optimizer, loss_fn, loss_scale_manager, weights)
 
 
 def _synchronise(grads: list[torch.Tensor], found_inf: torch.Tensor) -> tuple[list[torch.Tensor], bool]:

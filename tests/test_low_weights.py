@@ -1,0 +1,269 @@
+"""O2 with low-precision weights and fp32 masters (amp_compiler/train/low_weights.py): the same updates as
+casting every weight in every forward, no weight cast left in the step, skipped steps touch nothing,
+accumulation sums in fp32, checkpoints hold the masters."""
+import pytest
+import torch
+from torch import nn
+
+import amp_compiler
+from amp_compiler import DynamicLossScaleManager, FixedLossScaleManager, build_train_network, convert, low_weights
+from amp_compiler.passes.fx.runtime import is_cast
+
+aten = torch.ops.aten
+
+
+class LayerNormMLP(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        self.inp = nn.Linear(12, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
+                                    for _ in range(2))
+        self.out = nn.Linear(width, 5)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+class TiedEmbedding(nn.Module):
+    """The embedding table is read by an fp32 op (the lookup) and by a low matmul (the output): stays fp32."""
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.mid = nn.Linear(16, 16)
+
+    def forward(self, tokens):
+        return self.mid(self.embed(tokens)) @ self.embed.weight.t()
+
+
+def make(kind=LayerNormMLP, seed=0):
+    torch.manual_seed(seed)
+    return kind()
+
+
+def batch(step, n=16):
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(n, 12, generator=generator), torch.randint(0, 5, (n,), generator=generator)
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_same(a, b, **tolerance):
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, **tolerance)
+
+
+# -- build_train_network ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_step_updates_match_casting_every_forward(dtype):
+    runs = {}
+    for store in (True, False):
+        model = make()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = build_train_network(model, optimizer, nn.CrossEntropyLoss(), "O2", dtype=dtype,
+                                   store_weights_low=store)
+        for i in range(20):
+            step(*batch(i))
+        runs[store] = (params(model), step)
+    assert runs[True][1].low_weights is not None and runs[False][1].low_weights is None
+    assert_same(runs[True][0], runs[False][0], rtol=0, atol=0)   # the copies are exactly the casts of the masters
+    assert all(p.dtype == torch.float32 for p in runs[True][0])
+
+
+def forward_weight_casts(step_graph):
+    """Dtype casts that read a parameter placeholder directly: a weight cast per step."""
+    return [n for n in step_graph.graph.nodes if n.target is aten._to_copy.default
+            and n.args[0].op == "placeholder" and n.args[0].name.startswith("p_")]
+
+
+def test_step_graph_casts_no_stored_weight():
+    model, other = make(), make()
+    casting = build_train_network(other, torch.optim.SGD(other.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                                  "O2", dtype=torch.bfloat16, store_weights_low=False)
+    stored = build_train_network(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                                 "O2", dtype=torch.bfloat16)
+    x, y = batch(0)
+    before, after = casting.graph_for(x, y), stored.graph_for(x, y)
+    assert len(forward_weight_casts(before)) >= 4   # the three Linear weights and biases, cast every step
+    assert forward_weight_casts(after) == []
+    stored_names = {name for pair in stored.low_weights.pairs for name in pair.names}
+    assert {"inp.weight", "out.weight", "blocks.0.1.weight"} <= stored_names
+    assert not any("blocks.0.0" in name for name in stored_names)   # LayerNorm weights: read by an fp32 op
+
+
+def test_skipped_step_touches_masters_copies_and_optimizer_state():
+    model = make()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    step = build_train_network(model, optimizer, nn.CrossEntropyLoss(), "O2", dtype=torch.float16,
+                               loss_scale_manager=DynamicLossScaleManager(2 ** 10))
+    step(*batch(0))
+    step.low_weights.refresh()   # the copies of step 0's update (the next step would remake them first)
+    masters, copies = params(model), [p.low.detach().clone() for p in step.low_weights.pairs]
+    state = [v.clone() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    x, y = batch(1)
+    x[0, 0] = float("inf")
+    _, overflow, _ = step(x, y)
+    assert overflow is amp_compiler.Overflow.SKIPPED
+    assert_same(params(model), masters, rtol=0, atol=0)
+    assert_same([p.low for p in step.low_weights.pairs], copies, rtol=0, atol=0)
+    assert_same([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)], state,
+                rtol=0, atol=0)
+    _, overflow, _ = step(*batch(2))   # the next clean step applies, and remakes the copies from the masters
+    assert not overflow
+    assert step.low_weights.refresh() == len(step.low_weights.pairs)   # every master moved: all remade
+    for pair in step.low_weights.pairs:
+        assert torch.equal(pair.low, pair.master.to(torch.float16))
+
+
+# -- a plain loop -------------------------------------------------------------------------------------------
+def plain_loop(store: bool, steps=12, micro_batches=1, dtype=torch.bfloat16, scaler=None, clip=None,
+               kind=LayerNormMLP, make_inputs=batch):
+    model = make(kind)
+    gm = convert(model, "O2", dtype=dtype)
+    optimizer = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if "bias" not in n]},
+                                   {"params": [p for n, p in model.named_parameters() if "bias" in n],
+                                    "weight_decay": 0.0}], lr=1e-2)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+    weights = low_weights(gm, optimizer) if store else None
+    for i in range(steps):
+        for k in range(micro_batches):
+            x, y = make_inputs(100 * i + k)
+            loss = nn.functional.cross_entropy(gm(x), y) / micro_batches
+            (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(optimizer)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+    return model, gm, weights
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_plain_loop_with_groups_scheduler_and_clipping_matches(clip):
+    stored, _, weights = plain_loop(True, clip=clip)
+    casting, _, _ = plain_loop(False, clip=clip)
+    assert len(weights.pairs) == 8   # 4 Linear weights and 4 biases
+    assert_same(params(stored), params(casting), rtol=0, atol=0)
+
+
+def test_plain_loop_fp16_with_a_scaler_matches():
+    stored, _, _ = plain_loop(True, dtype=torch.float16, scaler=amp_compiler.GradScaler(init_scale=2.0 ** 12),
+                              steps=6)
+    casting, _, _ = plain_loop(False, dtype=torch.float16, scaler=amp_compiler.GradScaler(init_scale=2.0 ** 12),
+                               steps=6)
+    assert_same(params(stored), params(casting), rtol=0, atol=0)
+
+
+def test_accumulation_sums_in_fp32_and_casts_once_per_step():
+    stored, gm, weights = plain_loop(True, steps=4, micro_batches=4)
+    casting, _, _ = plain_loop(False, steps=4, micro_batches=4)
+    # the same low gradients, summed in fp32 in both (the casting graph casts each one up in its backward)
+    assert_same(params(stored), params(casting), rtol=1e-6, atol=1e-7)
+    optimizer = torch.optim.SGD(stored.parameters(), lr=0.1)
+    weights.refresh()   # the loop's last step changed the masters
+    remade = []
+    original = weights.refresh
+    weights.refresh = lambda only_stale=True: remade.append(original(only_stale)) or remade[-1]
+    for k in range(4):
+        nn.functional.cross_entropy(gm(batch(k)[0]), batch(k)[1]).backward()
+    optimizer.step()
+    gm(batch(0)[0])
+    assert remade == [0, 0, 0, 0, len(weights.pairs)]   # micro-batches remake nothing; the step's forward all
+
+
+def test_gradients_reach_masters_in_fp32_and_the_copies_are_cleared():
+    model = make()
+    gm = convert(model, "O2", dtype=torch.bfloat16)
+    weights = low_weights(gm, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batch(0)
+    nn.functional.cross_entropy(gm(x), y).backward()
+    for pair in weights.pairs:
+        assert pair.low.grad is None and pair.master.grad.dtype == torch.float32
+    first = model.inp.weight.grad.clone()
+    nn.functional.cross_entropy(gm(x), y).backward()
+    torch.testing.assert_close(model.inp.weight.grad, 2 * first)
+
+
+def test_tied_weight_read_by_an_fp32_op_stays_fp32():
+    model = make(TiedEmbedding)
+    gm = convert(model, "O2", dtype=torch.bfloat16)
+    weights = low_weights(gm, torch.optim.SGD(model.parameters(), lr=0.1))
+    names = {name for pair in weights.pairs for name in pair.names}
+    assert "mid.weight" in names and not any(name.startswith("embed") for name in names)
+    assert gm.get_parameter("embed.weight") is model.embed.weight
+
+
+def test_users_model_keeps_fp32_parameters_and_runs_as_before():
+    model = make()
+    x, _ = batch(0)
+    expected = model(x)
+    gm = convert(model, "O2", dtype=torch.bfloat16)
+    low_weights(gm, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(p.dtype == torch.float32 for p in model.state_dict().values())
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
+# -- checkpoints and edits of the masters ---------------------------------------------------------------------
+def test_checkpoint_holds_masters_and_loads_into_them():
+    trained, gm, weights = plain_loop(True, steps=5)
+    state = gm.state_dict()
+    for pair in weights.pairs:
+        for name in pair.names:
+            assert state[name].dtype == torch.float32 and torch.equal(state[name], pair.master)
+    fresh = make(seed=1)
+    fresh_gm = convert(fresh, "O2", dtype=torch.bfloat16)
+    low_weights(fresh_gm, torch.optim.AdamW(fresh.parameters()))
+    fresh_gm.load_state_dict(state)
+    assert_same(params(fresh), params(trained), rtol=0, atol=0)   # the masters, not their low rounding
+    x, _ = batch(7)
+    torch.testing.assert_close(fresh_gm(x), gm(x), rtol=0, atol=0)
+
+
+def test_an_edit_of_the_masters_reaches_the_next_forward():
+    model = make()
+    gm = convert(model, "O2", dtype=torch.bfloat16)
+    low_weights(gm, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, _ = batch(0)
+    before = gm(x)
+    model.load_state_dict(make(seed=3).state_dict())   # the user's model: the masters
+    after = gm(x)
+    reference = convert(make(seed=3), "O2", dtype=torch.bfloat16)(x)
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after, reference, rtol=0, atol=0)
+
+
+def test_remove_puts_the_masters_back():
+    model = make()
+    gm = convert(model, "O2", dtype=torch.bfloat16)
+    x, _ = batch(0)
+    expected = gm(x)
+    weights = low_weights(gm, torch.optim.SGD(model.parameters(), lr=0.1))
+    weights.remove()
+    assert all(p is q for p, q in zip(gm.parameters(), model.parameters()))
+    torch.testing.assert_close(gm(x), expected, rtol=0, atol=0)
+
+
+def test_refusals_name_the_problem():
+    model = make()
+    with pytest.raises(ValueError, match="no weight of this graph"):
+        low_weights(convert(model, "O0"), torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="GraphModule"):
+        low_weights(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    in_place = convert(make(), "O2", inplace=True)
+    with pytest.raises(TypeError, match="initialize"):
+        low_weights(in_place, torch.optim.SGD(in_place.parameters(), lr=0.1))
+    gm = convert(model, "O2", dtype=torch.bfloat16)
+    low_weights(gm, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="already"):
+        low_weights(gm, torch.optim.SGD(model.parameters(), lr=0.1))
