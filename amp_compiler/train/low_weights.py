@@ -37,7 +37,7 @@ from amp_compiler.passes.fx.runtime import is_cast
 LOW = (torch.float16, torch.bfloat16)
 
 
-@dataclass
+@dataclass(eq=False)   # compared by identity: its fields are tensors
 class _Pair:
     master: nn.Parameter          # the user's fp32 parameter, stepped by the optimizer
     low: nn.Parameter             # what gm holds and its graph reads
@@ -124,10 +124,14 @@ class LowWeights:
         arrived = [pair for pair in self.pairs if pair.low.grad is not None]
         with torch.no_grad():
             for device_pairs in _by_device(arrived):
-                fresh = [p for p in device_pairs if p.master.grad is None]
+                fresh = [p for p in device_pairs if p.master.grad is None]   # after zero_grad(): copy, not add
                 for pair in fresh:
-                    pair.master.grad = torch.zeros_like(pair.master, memory_format=torch.preserve_format)
-                torch._foreach_add_([p.master.grad for p in device_pairs], [p.low.grad for p in device_pairs])
+                    pair.master.grad = torch.empty_like(pair.master, memory_format=torch.preserve_format)
+                if fresh:
+                    torch._foreach_copy_([p.master.grad for p in fresh], [p.low.grad for p in fresh])
+                adding = [p for p in device_pairs if p not in fresh]
+                if adding:
+                    torch._foreach_add_([p.master.grad for p in adding], [p.low.grad for p in adding])
         for pair in arrived:
             pair.low.grad = None
         return len(arrived)
