@@ -5,7 +5,7 @@ masters, and no forward casts a weight.
     optimizer = torch.optim.AdamW(model.parameters())      # steps the fp32 weights: the masters
     weights = amp_compiler.low_weights(gm, optimizer)       # gm now holds bf16 copies of them
     loss_fn(gm(x), y).backward()                            # gradients arrive bf16, are added into master.grad (fp32)
-    optimizer.step()                                        # the next forward remakes the copies it changed
+    optimizer.step()                                        # remakes the copies (one fused copy)
 
 Which weights: the fp32 parameters the optimizer holds (requires_grad) whose every read in gm's graph is a cast
 to the low dtype. The others (norm weights, a weight an fp32 op also reads, parameters of leaf modules) stay fp32
@@ -15,10 +15,10 @@ and are cast where read, as before. The user's model keeps its fp32 parameters: 
   micro-batches (summed in fp32) see master gradients as for an fp32 model. Under DistributedDataParallel the
   all-reduce moves the low gradients (half of fp32's bytes); inside no_sync() they stay on the copies (DDP sums
   them there, low) and fold on the synchronising backward, after DDP's all-reduce.
-- Copies: before each forward, every master whose version counter or storage moved (an optimizer step,
-  load_state_dict, an in-place edit under no_grad) has its copy remade, all in one fused copy. A skipped step
-  (overflow) changes no master, so no copy is remade. A write through `.data` moves no version counter: call
-  `weights.refresh()` after one.
+- Copies: after each optimizer step all copies are remade in one fused copy (a skipped step, on overflow, does
+  not call step(): no copy changes); before each forward, the copies of masters whose version counter or storage
+  moved otherwise (load_state_dict, an in-place edit under no_grad). A write through `.data` moves no version
+  counter: call `weights.refresh()` after one.
 - Checkpoints: gm.state_dict() holds the masters' fp32 values, gm.load_state_dict() writes the masters.
 """
 from __future__ import annotations
@@ -70,7 +70,10 @@ class LowWeights:
         self._ranks_agreed = False
         self._handles = [pair.low.register_post_accumulate_grad_hook(self._gradient_arrived)
                          for pair in self.pairs]
-        self._handles += [gm.register_forward_pre_hook(self._before_forward),
+        # After a real step, all copies at once: a fused optimizer (AdamW(fused=True) on CPU) writes the masters
+        # without moving their version counters. A skipped step never calls step(), so nothing is remade.
+        self._handles += [optimizer.register_step_post_hook(lambda *a: self.refresh(only_stale=False)),
+                          gm.register_forward_pre_hook(self._before_forward),
                           # (functions, not bound methods: torch marks the hooks with an attribute)
                           gm.register_state_dict_post_hook(lambda *a: self._masters_in_state_dict(*a)),
                           gm.register_load_state_dict_pre_hook(lambda *a: self._load_into_masters(*a))]
