@@ -343,8 +343,11 @@ class OptimizerStash:
 
     @torch.no_grad()
     def masters_to_model(self) -> None:
+        by_device: dict = {}   # one fused copy per device
         for low, master in self.pairs:
-            low.copy_(master)
+            by_device.setdefault(low.device, []).append((low, master))
+        for pairs in by_device.values():
+            torch._foreach_copy_([low for low, _ in pairs], [master for _, master in pairs])
 
     def clear_master_grads(self) -> None:
         # model.zero_grad() cannot reach them (Apex clears them after each step too)
