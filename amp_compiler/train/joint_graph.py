@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
 LOW_FLOATS = (torch.float16, torch.bfloat16)
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 # Kernels that update BatchNorm running statistics in place without saying so in their schema:
 # op -> (indices of running_mean and running_var, index of the `training` flag).
 UNDECLARED_MUTATIONS = {
@@ -81,8 +82,11 @@ def trace_joint_graph(module: torch.nn.Module, loss_fn, trainable: dict[str, tor
         used = [(name, grad) for name, grad in zip(trainable_names, grads) if grad is not None]
         grad_names[:] = [name for name, _ in used]
         inv_scale = torch.reciprocal(loss_scale)
-        # a weight stored low (train/low_weights.py) has a low gradient: unscale it in fp32, where it lands
-        unscaled = [_to_fp32(grad) * inv_scale for _, grad in used]
+        # A weight stored low (train/low_weights.py) has a low gradient: times a 1-element fp32 tensor (0-dim
+        # would not promote) it comes out fp32 in one pass, not cast and then multiplied.
+        inv_scale_promoting = inv_scale.reshape(1)
+        unscaled = [grad * inv_scale_promoting if grad.dtype in LOW_FLOATS and grad.dim() > 0
+                    else _to_fp32(grad) * inv_scale for _, grad in used]
         if unscaled:
             # A sum is inf/nan when a term is (inf - inf gives nan); finite terms overflow it only beyond
             # 3.4e38, also an overflow. One vectorised pass per gradient: ~25x cheaper than max(|g|).
@@ -134,6 +138,7 @@ def mark_step_roles(graph: fx.Graph, loss_scale: fx.Node) -> None:
     reciprocal = [u for u in loss_scale.users if u.target is aten.reciprocal.default]
     scaling = [u for u in loss_scale.users if u not in reciprocal]
     unscaling = reciprocal + [u for r in reciprocal for u in r.users]
+    unscaling += [u for v in list(unscaling) if v.target in VIEWS for u in v.users]   # via inv_scale.reshape(1)
     output = next(n for n in graph.nodes if n.op == "output")
     found_inf = output.args[0][1]
     upstream_of_grads = _ancestors(unscaling) | set(unscaling)
