@@ -4,8 +4,8 @@
     python benchmarks/gpu.py --dry-run       # CPU, tiny sizes, seconds: keeps this script from rotting
 
 Sections (one row each, alternated runs, medians; "ratio" = ours / the baseline named in the row):
-  train   fp16 and bf16 train step (forward, backward, SGD): ours O1 (+ amp_compiler.GradScaler for fp16)
-          against torch.autocast (+ torch.amp.GradScaler for fp16), and the floor of any cast placement: the
+  train   fp16 and bf16 train step (forward, backward, SGD): ours O1 and ours O2 with the weights stored low
+          (low_weights; + amp_compiler.GradScaler for fp16) against torch.autocast (+ torch.amp.GradScaler for fp16), and the floor of any cast placement: the
           whole model in fp16/bf16 with no cast at all (not a recipe: norms and softmax rounded)
   infer   latency per call, the dtype of --infer-dtype: fp32 eager, autocast, ours, ours frozen; and the
           dtype casts one call makes (aten._to_copy), autocast's included
@@ -66,7 +66,7 @@ def _logits_loss(out, target):
 
 
 def real_cases(dry_run: bool) -> list[Case]:
-    """ResNet-18 and BERT-base / GPT-2 shaped HF configs; with --dry-run a ResNet-10 and tiny widths."""
+    """ResNet-18, ResNet-50 and BERT-base / GPT-2 shaped HF configs; with --dry-run a ResNet-10 and tiny widths."""
     from models.torchvision_ops import import_torchvision
     import_torchvision()   # transformers imports torchvision, whose C ops the CPU build lacks
     import transformers
@@ -77,6 +77,10 @@ def real_cases(dry_run: bool) -> list[Case]:
     resnet = ResNet(BasicBlock, [1, 1, 1, 1] if dry_run else [2, 2, 2, 2], num_classes=10)   # ResNet-10 / -18
     cases = [Case("resnet18", resnet, (torch.randn(batch, 3, image, image),), torch.randint(0, 10, (batch,)),
                   _logits_loss)]
+    if not dry_run:
+        from torchvision.models.resnet import Bottleneck
+        cases.append(Case("resnet50", ResNet(Bottleneck, [3, 4, 6, 3], num_classes=10),
+                          (torch.randn(batch, 3, image, image),), torch.randint(0, 10, (batch,)), _logits_loss))
     tokens = torch.randint(0, 1000, (batch // 2 or 1, seq))
     bert = transformers.BertForSequenceClassification(transformers.BertConfig(
         vocab_size=1000, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
@@ -163,9 +167,24 @@ def train_rows(case: Case, dtype: torch.dtype, settings: Settings) -> list[list]
         case.loss_fn(low_model(*low_inputs), case.target).backward()
         low_optimizer.step()
 
-    ms = alternate({"ours": ours, "autocast": autocast, "no cast": no_cast}, settings)
+    # O2 as Apex defines it: weights stored low between steps, the fp32 masters (a copy of the model) stepped
+    o2_model = copy.deepcopy(model)
+    o2_optimizer = torch.optim.SGD(o2_model.parameters(), lr=1e-4)
+    o2_gm = amp_compiler.convert(o2_model, "O2", dtype=dtype, example_inputs=case.inputs).train()
+    amp_compiler.low_weights(o2_gm, o2_optimizer)
+    o2_scaler = amp_compiler.GradScaler(device, enabled=fp16)
+
+    def ours_o2():
+        o2_optimizer.zero_grad(set_to_none=True)
+        o2_scaler.scale(case.loss_fn(o2_gm(*case.inputs), case.target)).backward()
+        o2_scaler.step(o2_optimizer)
+        o2_scaler.update()
+
+    ms = alternate({"ours": ours, "ours O2": ours_o2, "autocast": autocast, "no cast": no_cast}, settings)
     label = f"train {str(dtype).removeprefix('torch.')}"
     return [[label, case.name, "ours O1", f"{ms['ours']:.3f}", f"{ms['ours'] / ms['autocast']:.2f} of autocast"],
+            [label, case.name, "ours O2 stored weights", f"{ms['ours O2']:.3f}",
+             f"{ms['ours O2'] / ms['autocast']:.2f} of autocast"],
             [label, case.name, "autocast+GradScaler" if fp16 else "autocast", f"{ms['autocast']:.3f}", ""],
             [label, case.name, "all low, no cast (floor)", f"{ms['no cast']:.3f}",
              f"{ms['no cast'] / ms['autocast']:.2f} of autocast"]]

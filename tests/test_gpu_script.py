@@ -19,7 +19,7 @@ def test_the_gpu_script_dry_run_fills_every_section(capsys):
     assert {row[1] for row in rows} >= {"mlp", "resnet18", "hf_gpt2"}
     assert all(float(row[3]) > 0 for row in rows)
     variants = {row[2] for row in rows}
-    assert {"ours O1", "autocast+GradScaler", "ours frozen", "ours+compile", "export_onnx", "convert_onnx"} <= variants
+    assert {"ours O1", "ours O2 stored weights", "autocast+GradScaler", "ours frozen", "ours+compile", "export_onnx", "convert_onnx"} <= variants
     table = capsys.readouterr().out
     assert "amp-compiler vs torch.autocast on CPU" in table and "dry run" in table
     assert {"compile bfloat16", "infer bfloat16"} <= sections and "vit_b_16" in {row[1] for row in rows}
