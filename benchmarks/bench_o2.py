@@ -249,7 +249,7 @@ def final_loss(task, dtype, steps: int) -> float:
             loss = task.loss_fn(model(*inputs), target)
             loss.backward()
             optimizer.step()
-            return loss
+            return loss.detach()
     else:
         train = build_train_network(model, optimizer, task.loss_fn, "O2", dtype=dtype)
 
