@@ -9,7 +9,9 @@ forward cannot be captured runs as written with its children converted (convert_
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -66,6 +68,26 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     """
     config = make_config(level, **overrides)
     check_calibration_data(calibration_data)   # before any work: a bare tensor would be split into rows
+    with collector_paused():
+        return _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace,
+                        overrides)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector paused while converting: a conversion allocates some 10^5 graph objects,
+    and each full collection they trigger walks every live object (the model's, a large graph's) again: a
+    tenth of a second to seconds on an LLM. The garbage is collected as usual afterwards."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace, overrides):
     if inplace:
         if dynamic_shapes is not None:
             raise ValueError("dynamic_shapes does not apply to inplace=True: parts are captured shape-generic on "
@@ -102,7 +124,7 @@ def compile_graph(captured: CapturedGraph, config: AmpConfig, calibration_data=N
     the caller does that itself (an in-place part keys its graphs by the user's modules' flags)."""
     config = dataclasses.replace(config)   # target devices are written on it below
     model, example_inputs = captured.model, captured.example_inputs
-    gm = graph_module_to_compile(captured)
+    gm = graph_module_to_compile(captured, generate_code=False)   # run_pipeline generates it once, at the end
     config.devices, devices_from = target_devices(model, example_inputs)   # ops they have no low kernel for stay fp32
     with user_hooks_silenced(gm):   # the user's hooks fire on calls, not on fake values or calibration runs
         counts = run_pipeline(gm, config, example_inputs, calibration_data)
@@ -224,5 +246,5 @@ def run_pipeline(gm: fx.GraphModule, config: AmpConfig, example_inputs=None,
     counts = FX_PIPELINE.run(state)
     if state.paints:
         gm.graph.lint()
-        gm.recompile()  # passes edit gm.graph; the Python code is generated once, here
+    gm.recompile()  # passes edit gm.graph; the Python code is generated once, here (none before: compile_graph)
     return counts

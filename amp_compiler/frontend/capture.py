@@ -23,7 +23,8 @@ from amp_compiler.frontend.export_capture import export_failure, export_graph, p
 from amp_compiler.frontend.integrations import prepare_for_export
 from amp_compiler.frontend.fx_capture import AmpTracer, is_leaf_module, optional_arguments, restore_output_type
 from amp_compiler.frontend.hooks import hook_kinds, hooked_modules, move_root_hooks, user_hooks_silenced
-from amp_compiler.frontend.module_tree import graph_module_on, share_module_tree, unwrap_compiled
+from amp_compiler.frontend.module_tree import code_on_first_use, graph_module_on, share_module_tree, unwrap_compiled
+from amp_compiler.frontend.repeated_blocks import repeated_blocks
 from amp_compiler.frontend.training_reads import read_flags, training_reads_recorded
 from amp_compiler.passes.node_facts import facts
 
@@ -51,18 +52,19 @@ def capture(model: nn.Module, example_inputs=None, dynamic_shapes=None) -> Captu
     return captured
 
 
-def graph_module_to_compile(captured: CapturedGraph) -> fx.GraphModule:
+def graph_module_to_compile(captured: CapturedGraph, *, generate_code: bool = True) -> fx.GraphModule:
     """A GraphModule the passes may rewrite: a copy of the captured graph (same node names, same generated
     code; each node's meta copied, so facts a pass writes stay on the copy) on the capture's module objects
     (its own copy of the user's tree: the passes add attributes to the GraphModule, never to its modules),
-    with the model's own hooks. Compiling it never changes `captured`'s graph."""
+    with the model's own hooks. Compiling it never changes `captured`'s graph. generate_code=False: its code is
+    left to the caller's gm.recompile() after the passes (graph_module_on)."""
     source = captured.graph_module
     graph = copy.deepcopy(source.graph)   # fx.Graph's own deepcopy: nodes by name, codegen (output type)
     for node in graph.nodes:
         node.meta = {key: _copied(value) for key, value in node.meta.items()}
     # The same module objects, not a copy: the capture is garbage once compiled, and a copy it held would keep
     # weights a load_state_dict(assign=True) replaced alive (frozen copies of them too) until a gc cycle.
-    gm = graph_module_on(source, graph, type(source).__name__)
+    gm = graph_module_on(source, graph, type(source).__name__, generate_code=generate_code)
     move_root_hooks(source, gm)
     gm.meta.update(source.meta)
     return gm
@@ -109,7 +111,7 @@ def _capture(model: nn.Module, example_inputs, dynamic_shapes) -> CapturedGraph:
         if node.op == "call_module" and hook_kinds(root.get_submodule(node.target)):
             facts(node)["hooks"] = hook_kinds(root.get_submodule(node.target))   # never lowered: they fire
     restore_output_type(graph, tracer.output_spec)
-    gm = graph_module_on(root, graph, type(model).__name__ + "Amp")
+    gm = code_on_first_use(graph_module_on(root, graph, type(model).__name__ + "Amp", generate_code=False))
     move_root_hooks(root, gm)
     leaves = sorted({n.target for n in graph.nodes if n.op == "call_module"})
     notes += [f"traced with {name}={value!r}; calls that pass another value raise (give it in example_inputs "
@@ -127,8 +129,11 @@ def _follows_mode_when_exported(module: nn.Module) -> bool:
 def _export(model, example_inputs, dynamic_shapes, notes) -> CapturedGraph:
     notes = notes + prepare_for_export(model)
     root = share_module_tree(model)
+    repeat = repeated_blocks(root)   # identical blocks: a few are exported, the others copied (repeated_blocks.py)
     with training_reads_recorded(root, skip=_follows_mode_when_exported) as reads, user_hooks_silenced():
-        gm, export_notes = export_graph(model, root, example_inputs, dynamic_shapes)
+        gm, export_notes = export_graph(model, root, example_inputs, dynamic_shapes, repeat)
+    if repeat is not None and repeat.refused is None:
+        reads = repeat.extend_reads(reads)
     constants = parameters_read_as_constants(gm, model)
     if constants:   # no gradient would reach them: a silent wrong training step
         raise TracingError(f"torch.export took the parameters {', '.join(constants[:4])} of {type(model).__name__} "

@@ -28,19 +28,22 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from amp_compiler.frontend.errors import TracingError, user_frame
 from amp_compiler.frontend.function_apply import intercepted_function_apply
-from amp_compiler.frontend.module_tree import graph_module_on
+from amp_compiler.frontend.module_tree import code_on_first_use, graph_module_on
+from amp_compiler.frontend.repeated_blocks import Repeat
 from amp_compiler.passes.fx.runtime import dropout_p_when_training   # generated code calls it: see runtime.py
 
 
-def export_graph(model: nn.Module, root: nn.Module, example_inputs: tuple, dynamic_shapes=None):
-    """(GraphModule on `root`, notes). Raises what torch.export raised."""
+def export_graph(model: nn.Module, root: nn.Module, example_inputs: tuple, dynamic_shapes=None,
+                 repeat: Repeat | None = None):
+    """(GraphModule on `root`, notes). Raises what torch.export raised. `repeat` (repeated_blocks.py): export
+    with 4 of its blocks and copy the others; when that does not hold, the whole model is exported."""
     notes = []
     with _custom_functions_recorded() as functions:
-        if dynamic_shapes is not None:
-            exported = torch.export.export(root, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
-            why_fixed = "fixed by the model or by dynamic_shapes"
-        else:
-            exported, why_fixed = _export_as_dynamic_as_possible(root, example_inputs, notes)
+        spliced = _spliced_export(root, example_inputs, dynamic_shapes, repeat, notes) if repeat else None
+        if spliced is None:
+            unlifted, why_fixed = _export(root, example_inputs, dynamic_shapes, notes)
+            spliced = _graph_of(unlifted), unlifted, why_fixed
+    graph, unlifted, why_fixed = spliced
     if functions:
         names = ", ".join(sorted(functions))
         raise TracingError(
@@ -48,23 +51,55 @@ def export_graph(model: nn.Module, root: nn.Module, example_inputs: tuple, dynam
             "for models torch.fx cannot trace) inlines its forward and drops its backward: gradients would "
             "be silently wrong. Make the code around it traceable by torch.fx (which keeps the Function "
             "whole), or convert the submodules that trace on their own.")
-    unlifted = exported.module()
-    graph = fx.Graph()
-    values: dict = {}
-    for node in unlifted.graph.nodes:
-        values[node] = graph.node_copy(node, lambda n: values[n])
-    graph._codegen = copy.deepcopy(unlifted.graph._codegen)   # flattens inputs, rebuilds the output type
     for node in graph.nodes:  # constants torch.export lifted out of the code, and the guards, live on `unlifted`
         if node.op in ("get_attr", "call_module") and not _has_attr(root, node.target):
             _set_attr(root, node.target, operator.attrgetter(node.target)(unlifted))
     notes.append(_training_flags_note(_make_training_flags_live(root, graph)))
+    if _devices_follow_parameters(root, graph):
+        notes.append("built on the meta device: the device torch.export wrote into tensor factories (arange, zeros) "
+                     "is the first parameter's at run time, so to_empty(device=...) + load_state_dict gives a working "
+                     "model (non-persistent buffers, e.g. rotary inv_freq, are not in a state_dict: set them too)")
     fixed = _fixed_dims(graph)
     notes.extend(f"input {name}: dim {', '.join(f'{d}={n}' for d, n in dims.items())} fixed ({why_fixed}); "
                  "calls with another size there raise; convert(..., dynamic_shapes=...) or another example "
                  "size changes that" for name, dims in fixed.items())
     _guard_fixed_dims(root, graph, fixed, why_fixed)
     _drop_dtype_assertions(graph)
-    return graph_module_on(root, graph, type(model).__name__ + "Amp"), notes
+    return code_on_first_use(graph_module_on(root, graph, type(model).__name__ + "Amp", generate_code=False)), notes
+
+
+def _export(root: nn.Module, example_inputs: tuple, dynamic_shapes, notes: list[str]):
+    """(the exported program's unlifted GraphModule, why its fixed dims are fixed)."""
+    if dynamic_shapes is not None:
+        exported = torch.export.export(root, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
+        return exported.module(), "fixed by the model or by dynamic_shapes"
+    exported, why_fixed = _export_as_dynamic_as_possible(root, example_inputs, notes)
+    return exported.module(), why_fixed
+
+
+def _graph_of(unlifted: fx.GraphModule) -> fx.Graph:
+    graph = fx.Graph()
+    values: dict = {}
+    for node in unlifted.graph.nodes:
+        values[node] = graph.node_copy(node, lambda n: values[n])
+    graph._codegen = copy.deepcopy(unlifted.graph._codegen)   # flattens inputs, rebuilds the output type
+    return graph
+
+
+def _spliced_export(root: nn.Module, example_inputs: tuple, dynamic_shapes, repeat: Repeat, notes: list[str]):
+    """(graph, unlifted GraphModule, why_fixed) from an export of 4 of `repeat`'s blocks with the others copied
+    in, or None (repeat.refused says why; the caller exports it all)."""
+    short_notes: list[str] = []
+    try:
+        with repeat.few_blocks():
+            unlifted, why_fixed = _export(root, example_inputs, dynamic_shapes, short_notes)
+            graph = repeat.splice(_graph_of(unlifted))
+    except Exception as error:  # noqa: BLE001 - NotSpliceable, or a forward that needs all its blocks
+        repeat.refused = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        return None
+    notes += short_notes + [f"{repeat.path}: {repeat.count} identical blocks; blocks 0, 1, 2 and {repeat.count - 1} "
+                            f"exported, the others copied from block 2 (capture once per repeated block)"]
+    return graph, unlifted, why_fixed
 
 
 def _export_as_dynamic_as_possible(root: nn.Module, example_inputs: tuple, notes: list[str]):
@@ -214,6 +249,35 @@ def _make_training_flags_live(root: nn.Module, graph: fx.Graph) -> int:
     return len(users)
 
 
+_META = torch.device("meta")
+
+
+def _devices_follow_parameters(root: nn.Module, graph: fx.Graph) -> int:
+    """A model built on the meta device: torch.export wrote device='meta' into the graph (arange(..., device=meta));
+    those arguments read the device of the first meta parameter instead. Returns how many nodes changed."""
+    readers = [n for n in graph.nodes if n.op == "call_function" and _reads_meta_device(n)]
+    anchor = next((n for n in graph.nodes if n.op == "get_attr" and
+                   getattr(_attribute(root, n.target), "is_meta", False)), None)
+    if not readers or anchor is None:
+        return 0
+    with graph.inserting_after(anchor):
+        device = graph.call_function(getattr, (anchor, "device"))
+    for node in readers:
+        node.args, node.kwargs = fx.node.map_aggregate((node.args, node.kwargs),
+                                                       lambda v: device if _is_meta(v) else v)
+    return len(readers)
+
+
+def _is_meta(value) -> bool:
+    return isinstance(value, torch.device) and value == _META
+
+
+def _reads_meta_device(node: fx.Node) -> bool:
+    found = []
+    fx.node.map_aggregate((node.args, node.kwargs), lambda v: found.append(v) if _is_meta(v) else None)
+    return bool(found)
+
+
 def _training_flags_note(live: int) -> str:
     return f"captured with torch.export; {live} dropout/batch-norm train flags follow train()/eval()"
 
@@ -268,6 +332,7 @@ def parameters_read_as_constants(graph_module: nn.Module, model: nn.Module) -> l
     """The model's trainable parameters that the graph reads as plain tensors (torch.export lifts a module
     reached through a plain attribute, `self.peer = sibling`, as constants): no gradient would reach them."""
     trainable = {_storage(p): name for name, p in model.named_parameters() if p.requires_grad}
+    trainable.pop(None, None)   # meta tensors share no storage: nothing to compare them by
     constants = []
     for node in graph_module.graph.nodes:
         if node.op != "get_attr":
@@ -285,6 +350,8 @@ def _attribute(module: nn.Module, target: str):
 
 
 def _storage(tensor: torch.Tensor):
+    if tensor.is_meta:   # every meta tensor's data_ptr is 0
+        return None
     try:
         return tensor.untyped_storage().data_ptr()
     except Exception:  # noqa: BLE001 - fake and meta tensors have no storage to share

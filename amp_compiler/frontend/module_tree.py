@@ -54,9 +54,63 @@ def _container_copy(value):
     return value
 
 
-def graph_module_on(root: nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
-    """A GraphModule that holds `root`'s own submodules, parameters and buffers (all of them)."""
-    gm = fx.GraphModule(root, graph, class_name=class_name)
+def _code_not_generated_yet(*args, **kwargs):
+    raise RuntimeError("this GraphModule's code is generated once its passes are done (run_pipeline recompiles)")
+
+
+def _graph_that_raises() -> fx.Graph:
+    graph = fx.Graph()
+    graph.output(graph.call_function(_code_not_generated_yet))
+    return graph
+
+
+def graph_module_on(root: nn.Module, graph: fx.Graph, class_name: str, *, generate_code: bool = True) -> fx.GraphModule:
+    """A GraphModule that holds `root`'s own submodules, parameters and buffers (all of them).
+    generate_code=False: the Python code is not generated (a tenth of a second per thousand nodes); calling the
+    module raises until gm.recompile() (the caller's passes edit the graph and recompile once, at the end)."""
+    if not generate_code:
+        gm = fx.GraphModule(root, _graph_that_raises(), class_name=class_name)
+        for node in graph.nodes:   # what fx.GraphModule copies from root: get_attr / call_module targets
+            if node.op in ("get_attr", "call_module"):
+                fx.graph_module._copy_attr(root, gm, node.target)
+        gm._graph, graph.owning_module = graph, gm
+        if graph._tracer_cls and "<locals>" not in graph._tracer_cls.__qualname__:
+            gm._tracer_cls = graph._tracer_cls
+        gm._tracer_extras = graph._tracer_extras or {}
+        return _with_root_tensors(gm, root)
+    return _with_root_tensors(fx.GraphModule(root, graph, class_name=class_name), root)
+
+
+def code_on_first_use(gm: fx.GraphModule) -> fx.GraphModule:
+    """Generate gm's Python code when it is first called, printed or read (gm.code), not now: convert() compiles a
+    copy of a capture (graph_module_to_compile) and never needs the capture's own code."""
+    cls = type(gm)   # fx gives every GraphModule a class of its own: this changes `gm` alone
+
+    def generate(self) -> None:
+        for name in ("forward", "code", "__str__"):
+            if getattr(getattr(cls.__dict__.get(name), "fget", cls.__dict__.get(name)), "_amp_lazy", False):
+                delattr(cls, name)
+        self.recompile()
+
+    def forward(self, *args, **kwargs):
+        generate(self)
+        return self.forward(*args, **kwargs)
+
+    def code(self) -> str:
+        generate(self)
+        return self._code
+
+    def text(self) -> str:
+        generate(self)
+        return str(self)
+
+    for name, function in (("forward", forward), ("code", code), ("__str__", text)):
+        function._amp_lazy = True
+        setattr(cls, name, property(function) if name == "code" else function)
+    return gm
+
+
+def _with_root_tensors(gm: fx.GraphModule, root: nn.Module) -> fx.GraphModule:
     for name, child in root._modules.items():
         gm._modules[name] = child
     for name, param in root._parameters.items():

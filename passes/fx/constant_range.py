@@ -96,6 +96,8 @@ def _constant_beyond(gm: fx.GraphModule, node: fx.Node, limit: float) -> float |
         tensor = reduce(getattr, node.target.split("."), gm)
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.numel() == 0:
             return None
+        if tensor.is_meta:   # a model built on the meta device has no values yet: nothing to find (README)
+            return None
         low, high = (v.item() for v in torch.aminmax(tensor.detach()))   # no copy of a large weight
         if not (abs(low) < float("inf") and abs(high) < float("inf")):   # inf/nan inside: the finite ones
             finite = tensor.detach()[tensor.detach().isfinite()]
