@@ -2,6 +2,7 @@
 
     python benchmarks/bench_o2.py [--models lnmlp,attention,unet,mlp,resnet,bert,gpt] [--rounds 10]
     python benchmarks/bench_o2.py --tables loss [--steps 200]
+    python benchmarks/bench_o2.py --tables ddp
 
 Table 1, ms per optimizer step, CPU bf16, every variant timed in the same rounds (median): the no-cast floor
 (model, inputs and AdamW all bf16: nothing casts, fragile ops rounded; the limit no placement can beat),
@@ -12,6 +13,8 @@ one-graph step; `k=4` rows a plain loop of 4 micro-batches per optimizer step th
 Table 2, bytes of weights + gradients + optimizer state after a step (AdamW), per variant.
 Table 3 (--tables loss): the mean of the last 5 training losses after --steps AdamW steps, fp32 against O2 with
 stored weights in bf16 and in fp16 (dynamic loss scale), on the zoo.
+Table 4 (--tables ddp): the bytes DistributedDataParallel's gradient buckets all-reduce per backward, O2 bf16
+casting every forward (fp32 gradients of the masters) against weights stored low (the copies' bf16 gradients).
 """
 from __future__ import annotations
 
@@ -240,6 +243,42 @@ def speed_tables(names, size: str, rounds: int) -> None:
               f"{mib['O2 stored']:.1f} | {nbytes['O2 stored'] / nbytes['autocast']:.3f} |")
 
 
+def allreduce_bytes(task, store: bool) -> int:
+    """Bytes DDP's gradient buckets hand to the all-reduce in one backward (a comm hook counts them), on a
+    one-process gloo group: the traffic per step scales with these bytes."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+    model = copy.deepcopy(task.model)
+    gm = convert(model, "O2", dtype=LOW, example_inputs=task.make_batch(0)[0])
+    if store:
+        low_weights(gm, torch.optim.SGD(model.parameters(), lr=0.1))
+    ddp = DistributedDataParallel(gm)
+    counted = []
+
+    def counting_hook(state, bucket):
+        counted.append(bucket.buffer().numel() * bucket.buffer().element_size())
+        return allreduce_hook(state, bucket)
+    ddp.register_comm_hook(None, counting_hook)
+    inputs, target = task.make_batch(0)
+    task.loss_fn(ddp(*inputs).float(), target).backward()
+    return sum(counted)
+
+
+def ddp_table(names, size: str) -> None:
+    import tempfile
+    import torch.distributed as dist
+    with tempfile.TemporaryDirectory() as folder:   # the file store removes its file itself
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
+        print("Table 4: MiB DDP all-reduces per backward (gradient buckets), O2 bf16")
+        print("| model | weights cast each forward (fp32 gradients) | weights stored low (bf16 gradients) | ratio |")
+        print("|---|---|---|---|")
+        for name in names:
+            task = Task(name, size)
+            cast, stored = allreduce_bytes(task, False), allreduce_bytes(task, True)
+            print(f"| {name} | {cast / 2**20:.2f} | {stored / 2**20:.2f} | {stored / cast:.2f} |", flush=True)
+        dist.destroy_process_group()
+
+
 def final_loss(task, dtype, steps: int) -> float:
     model = copy.deepcopy(task.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -274,12 +313,14 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default=",".join([*UNSEEN, *ZOO_NAMES]))
     parser.add_argument("--size", default="full", choices=("small", "full"))
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--tables", default="speed", choices=("speed", "loss"))
+    parser.add_argument("--tables", default="speed", choices=("speed", "loss", "ddp"))
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args(argv)
     names = args.models.split(",")
     if args.tables == "speed":
         speed_tables(names, args.size, args.rounds)
+    elif args.tables == "ddp":
+        ddp_table(names, args.size)
     else:
         loss_table([n for n in names if n in ZOO_NAMES], "small", args.steps)
 
