@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from amp_compiler.passes.fx.lower_fp8_matmuls import FP8_OPTION_KEYS, Fp8Options
 from amp_compiler.passes.policy.levels import LEVELS, Level
 from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.policy.rules import PrecisionRules
@@ -19,7 +20,7 @@ LOW_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.flo
 PLACEMENT_METHODS = ("cut", "greedy")   # cast_placement="greedy": the search bench_placement.py compares
 RULE_KEYS = ("allow_ops", "deny_ops", "infer_ops", "clear_ops", "force_fp32", "force_low", "custom_ops")
 OVERRIDE_KEYS = ("keep_batchnorm_fp32", "cast_model_type", "dtype", "loss_scale_manager", "keep_io_types",
-                 "cast_placement", *RULE_KEYS)
+                 "cast_placement", *RULE_KEYS, *FP8_OPTION_KEYS)
 
 
 @dataclass
@@ -34,6 +35,7 @@ class AmpConfig:
     cast_placement: bool = True     # move casts at fp32 islands' edges to where fewer bytes cross (place_casts)
     placement_method: str = "cut"   # "cut": a minimum cut; "greedy": the local search benchmarks compare it with
     devices: tuple = ()             # device types the model runs on ("cpu"): ops they have no low kernel for stay fp32
+    fp8: Fp8Options | None = None   # the fp8 level's options (lower_fp8_matmuls.py); None at the other levels
 
     @property
     def level_spec(self) -> Level:
@@ -73,7 +75,13 @@ def make_config(level: str = "O1", **overrides) -> AmpConfig:
         level = "O1"
         if dtype_given is None:
             dtype_given = torch.float16 if torch.cuda.is_available() else torch.bfloat16
-    low = resolve_dtype(dtype_given if dtype_given is not None else torch.float16)
+    fp8 = Fp8Options.from_overrides(overrides) if LEVELS[level].fp8_matmuls else None
+    if fp8 is None and set(FP8_OPTION_KEYS) & set(overrides):
+        raise ValueError(f"{sorted(set(FP8_OPTION_KEYS) & set(overrides))} apply to level 'fp8' only, not {level!r}")
+    low = resolve_dtype(dtype_given if dtype_given is not None else torch.bfloat16 if fp8 else torch.float16)
+    if fp8 is not None and low != torch.bfloat16:   # fp8 outputs and the ops around the matmuls are bfloat16
+        raise ValueError(f"level 'fp8' runs its other low ops in bfloat16, got dtype {dtype_name(low)} (the ONNX "
+                         "entry points default to float16: fp8 has no ONNX form yet)")
     keep_norms = overrides.get("keep_batchnorm_fp32")
     if keep_norms is not None and not isinstance(keep_norms, bool):
         raise ValueError(f"keep_batchnorm_fp32 must be True, False or None, got {keep_norms!r}")
@@ -87,6 +95,6 @@ def make_config(level: str = "O1", **overrides) -> AmpConfig:
                        placement_method=placement if isinstance(placement, str) else "cut",
                        keep_norm_fp32=keep_norms if keep_norms is not None else LEVELS[level].keep_norm_fp32,
                        keep_io_types=keep_io, loss_scale_manager=overrides.get("loss_scale_manager"),
-                       rule_options={k: overrides[k] for k in RULE_KEYS if k in overrides})
+                       rule_options={k: overrides[k] for k in RULE_KEYS if k in overrides}, fp8=fp8)
     config.precision_rules()  # validate user rules now, before any tracing
     return config

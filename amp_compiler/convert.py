@@ -38,6 +38,7 @@ from amp_compiler.passes.fx.fused_attention_masks import fused_attention_masks
 from amp_compiler.passes.fx.promote_in_kernel import promote_in_kernel
 from amp_compiler.passes.fx.infer_dtypes import infer_dtypes
 from amp_compiler.passes.fx.insert_casts import insert_casts, output_value_nodes
+from amp_compiler.passes.fx.lower_fp8_matmuls import lower_fp8_matmuls
 from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
 from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
 from amp_compiler.passes.fx.place_casts import FxCastPlacement
@@ -236,6 +237,9 @@ FX_PIPELINE = Pipeline("fx", (
          when=_paints, when_says=_PAINTING, reads=("op", "inplace", "dtype", "rule"), writes=("rule",)),
     Pass("fused_attention_masks", lambda s: fused_attention_masks(s.gm),   # GPU sdpa kernels need mask stride 1
          when=_paints, when_says=_PAINTING, reads=("op",), writes=("op", "class", "precision", "rule")),
+    Pass("lower_fp8_matmuls", lambda s: lower_fp8_matmuls(s.gm, s.config.fp8, s.low),   # after every bf16 decision
+         when=lambda s: s.config.fp8 is not None, when_says="at the fp8 level (levels.py)",
+         reads=("family", "precision", "module", "dtype", "op", "rule"), writes=("rule",)),
 ), check=check_fx_graph, nodes=lambda s: list(s.gm.graph.nodes), front_end_facts=("hooks",))
 
 

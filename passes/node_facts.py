@@ -30,7 +30,8 @@ NodeFacts = TypedDict("NodeFacts", {
                               # "low" | "fp32" | None (not painted: ints, shapes, io)
     "rule": str,              # mark_unchanged (fx), decide_precision, plan_opaque_calls (fx), lower_leaf_modules (fx),
                               # insert_casts (fx), cast_after_layout_ops (fx), promote_in_kernel (fx),
-                              # fused_attention_masks (fx), store_moved_weights_low (onnx): why the node has its precision
+                              # fused_attention_masks (fx), lower_fp8_matmuls (fx), store_moved_weights_low (onnx):
+                              # why the node has its precision
     "forced": str,            # decide_precision (onnx): which user rule forced the node
     "fp32_weights": bool,     # decide_precision (fx): a low op that keeps fp32 weights (mixed-kernel norms)
     "range": dict,            # calibrate_ranges: samples, max_abs, overflows, read_max, read_from, below_normal

@@ -6,6 +6,10 @@ Adding a level is one entry here. `rules.PrecisionRules` re-classifies the polic
 `convert`/`convert_onnx` skip painting where `paints` is False, `config` takes the norm default from it,
 `loss_scale.default_loss_scale_manager` the training default, and the CLI's --level help each `says`.
 Master weights are fp32 at every level (build_train_network refuses low ones): not a level's choice.
+    fp8 O1 in bfloat16, and the decided-low linear/matmul/mm run as float8 matmuls (passes/fx/lower_fp8_matmuls.py:
+        e4m3 forward, e5m2 gradients, per-tensor current scaling). A level, not a dtype on O1/O2: everything but
+        `fp8_matmuls` is O1's entry, the painting is O1's, and the option keys (fp8_min_dim, fp8_margin, fp8_keep)
+        belong to it alone.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ class Level:
     # but not a post-norm LayerNorm, whose output is the residual stream (HF BERT at O1 fp16: 100x autocast's
     # error). ONNX has no mixed LayerNormalization: its scale follows the data.
     mixed_norms: tuple[str, ...] = ()
+    fp8_matmuls: bool = False           # decided-low linear/matmul/mm become float8 matmuls (bfloat16 levels only)
 
 
 ALL_MIXED = ("batch_norm", "layer_norm", "group_norm")   # the norms torch has mixed kernels for
@@ -39,6 +44,9 @@ LEVELS: dict[str, Level] = {level.name: level for level in (
           keeps_losses_fp32=True, keep_norm_fp32=True, loss_scaling="dynamic", mixed_norms=ALL_MIXED),
     Level("O3", "all low, no loss scaling", paints=True, lowers=("deny", "infer"), keeps_losses_fp32=False,
           keep_norm_fp32=False, loss_scaling=None, mixed_norms=ALL_MIXED),
+    Level("fp8", "O1 in bfloat16, its low linear/matmul/mm as float8 matmuls (e4m3, e5m2 gradients)", paints=True,
+          lowers=(), keeps_losses_fp32=True, keep_norm_fp32=True, loss_scaling=None,
+          mixed_norms=("batch_norm", "group_norm"), fp8_matmuls=True),
 )}
 
 
