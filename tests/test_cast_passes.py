@@ -1,4 +1,4 @@
-"""insert_casts and fold_casts on their own: structure, counts, validity."""
+"""insert_casts and fold_casts on their own: structure, counts, validity; where cast_after_layout_ops moves a cast."""
 import torch
 import torch.fx as fx
 from torch import nn
@@ -118,3 +118,52 @@ def test_a_weight_read_under_several_names_or_by_several_calls_is_cast_once():
             out = gm(tokens)
         assert len(recorder.calls["_to_copy"]) == 6   # the 4 weights, the embedding's output, the output to fp32
         assert torch.allclose(out, model(tokens), rtol=0.05, atol=0.05 * model(tokens).abs().max().item())
+
+
+class ChannelsLastNorm(nn.Module):
+    """timm's LayerNorm2d between two convolutions: NCHW -> NHWC, an fp32 norm, back to NCHW (a channels-last
+    view); with `matmul_after`, a linear over the last dim reads the permuted value instead."""
+
+    def __init__(self, matmul_after: bool = False):
+        super().__init__()
+        self.conv1, self.norm, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.LayerNorm(8), nn.Conv2d(8, 8, 1)
+        self.fc = nn.Linear(6, 6) if matmul_after else None
+
+    def forward(self, x):
+        y = self.norm(self.conv1(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.fc(y) if self.fc is not None else self.conv2(y)
+
+
+def _first_inputs_of(names: tuple, gm, x) -> list:
+    """The first tensor argument of every aten op in `names` that running gm(x) calls."""
+    seen = []
+
+    class Inputs(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in names:
+                seen.append(args[0] if func.overloadpacket.__name__ != "addmm" else args[1])
+            return func(*args, **(kwargs or {}))
+
+    with Inputs():
+        gm(x)
+    return seen
+
+
+def test_a_permute_back_to_channels_first_stays_after_its_cast_unless_a_matmul_reads_it():
+    import amp_compiler
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 6)
+    model = ChannelsLastNorm().eval()
+    gm = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,))
+    assert gm.meta["amp"]["pass_counts"]["cast_after_layout_ops"].get("casts_moved_after_layout_ops", 0) == 0
+    assert not [n for n in gm.graph.nodes if n.target is amp_cast and n.kwargs.get("contiguous")]
+    second_conv_input = _first_inputs_of(("convolution",), gm, x)[1]   # a straight copy: still channels-last
+    assert second_conv_input.dtype == torch.bfloat16 and not second_conv_input.is_contiguous()
+    assert second_conv_input.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(gm(x), model(x), rtol=0.05, atol=0.05 * model(x).abs().max().item())
+
+    model = ChannelsLastNorm(matmul_after=True).eval()       # a matmul reads it: the cast writes row-major
+    gm = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,))
+    assert gm.meta["amp"]["pass_counts"]["cast_after_layout_ops"]["casts_moved_after_layout_ops"] == 1
+    assert all(t.is_contiguous() for t in _first_inputs_of(("addmm", "mm", "bmm", "linear", "matmul"), gm, x))
+    assert torch.allclose(gm(x), model(x), rtol=0.05, atol=0.05 * model(x).abs().max().item())
