@@ -80,8 +80,8 @@ def make_config(level: str = "O1", **overrides) -> AmpConfig:
         raise ValueError(f"{sorted(set(FP8_OPTION_KEYS) & set(overrides))} apply to level 'fp8' only, not {level!r}")
     low = resolve_dtype(dtype_given if dtype_given is not None else torch.bfloat16 if fp8 else torch.float16)
     if fp8 is not None and low != torch.bfloat16:   # fp8 outputs and the ops around the matmuls are bfloat16
-        raise ValueError(f"level 'fp8' runs its other low ops in bfloat16, got dtype {dtype_name(low)} (the ONNX "
-                         "entry points default to float16: fp8 has no ONNX form yet)")
+        raise ValueError(f"level 'fp8' runs its other low ops in bfloat16: give dtype=torch.bfloat16 (--dtype bfloat16) "
+                         f"or none; got {dtype_name(low)}. fp8 has no ONNX form yet")
     keep_norms = overrides.get("keep_batchnorm_fp32")
     if keep_norms is not None and not isinstance(keep_norms, bool):
         raise ValueError(f"keep_batchnorm_fp32 must be True, False or None, got {keep_norms!r}")

@@ -64,14 +64,14 @@ def _column_major(matrix: torch.Tensor) -> torch.Tensor:
 
 def _pad_rows(matrix: torch.Tensor, multiple: int) -> torch.Tensor:
     """`matrix` with zero rows appended up to a multiple of `multiple` rows (zero rows add nothing to a
-    contraction over rows). Done by copying into zeros: padding kernels do not all take float8."""
+    contraction over rows). Padded as bytes (all-zero bits are +0 in both formats): not every kernel takes fp8."""
     rows = matrix.shape[0]
     if rows % multiple == 0:
         return matrix
-    padded = torch.zeros((rows + multiple - rows % multiple, *matrix.shape[1:]), dtype=matrix.dtype,
+    padded = torch.zeros((rows + multiple - rows % multiple, *matrix.shape[1:]), dtype=torch.uint8,
                          device=matrix.device)
-    padded[:rows] = matrix
-    return padded
+    padded[:rows] = matrix.view(torch.uint8)
+    return padded.view(matrix.dtype)
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -97,6 +97,7 @@ class _Fp8Matmul(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
         g8, g_unscale = quantize(grad_rows, E5M2, ctx.margin)
+        g8 = g8.contiguous()   # row-major mat1 (a gradient may arrive transposed)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:   # (M, N) @ (N, K)
             grad_x = torch._scaled_mm(g8, _column_major(w8), g_unscale, w_unscale,
