@@ -6,7 +6,6 @@ per-call time of each variant, then the aten ops whose self CPU time or call cou
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -20,7 +19,7 @@ import amp_compiler.models.torchvision_ops  # noqa: E402,F401  torchvision's C o
 import torch  # noqa: E402
 
 import amp_compiler  # noqa: E402
-from sweep_vision import build  # noqa: E402
+from sweep_vision import build, freeze_garbage  # noqa: E402
 
 LOW = torch.bfloat16
 
@@ -82,8 +81,7 @@ def main() -> None:
     for spec in args.only.split(","):
         model, inputs = build(spec, batch=1)
         runs = variants(model, inputs, args.freeze)
-        gc.collect()                             # conversion garbage: else gen-2 collections of it land in the
-        gc.freeze()                              # timed calls (pauses of 0.2-4 s seen on Swin-V2)
+        freeze_garbage()
         with torch.inference_mode():
             for run in runs.values():
                 run(*inputs), run(*inputs)

@@ -27,6 +27,7 @@ as it finishes, then the totals per source and the failures grouped by cause.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -212,10 +213,18 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0][:200] if text else ''}"
 
 
+def freeze_garbage() -> None:
+    """Collect, then freeze what survives, before timing: the garbage convert() leaves otherwise triggers
+    gen-2 collections inside the timed calls (pauses of 0.2-4 s seen on Swin-V2)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _median_times(first, second, inputs, rounds: int) -> tuple[float, float]:
     """Median seconds per call of `first` and `second`, alternated so machine load hits both alike."""
     import torch
     times = ([], [])
+    freeze_garbage()
     with torch.no_grad():
         first(*inputs), second(*inputs)          # warm-up: kernel selection, allocator
         for _ in range(rounds):
