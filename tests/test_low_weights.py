@@ -2,6 +2,7 @@
 casting every weight in every forward, no weight cast left in the step, skipped steps touch nothing,
 accumulation sums in fp32, checkpoints hold the masters."""
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -188,9 +189,9 @@ def test_accumulation_sums_in_fp32_and_casts_once_per_step():
         nn.functional.cross_entropy(gm(batch(k)[0]), batch(k)[1]).backward()
     optimizer.step()
     gm(batch(0)[0])
-    # micro-batches remake nothing; after the step (of an optimizer low_weights was not given, so found by the
-    # masters' version counters) the next forward remakes all, once
-    assert remade == [0, 0, 0, 0, len(weights.pairs)]
+    # micro-batches remake nothing; the step (of an optimizer low_weights was not given: it holds the masters)
+    # remakes all, once, and the forward after it none
+    assert remade == [0, 0, 0, 0, len(weights.pairs), 0]
 
 
 def test_gradients_reach_masters_in_fp32_and_the_copies_are_cleared():
@@ -324,3 +325,134 @@ def test_ddp_all_reduces_low_gradients_and_folds_after_no_sync():
 def gathered(tensor):
     from distributed_testing import gathered as all_gathered
     return all_gathered(tensor)
+
+
+# -- what a second reading found (each silently wrong before its fix) -----------------------------------------
+class ReadsTraining(nn.Module):
+    """In eval an fp32 op (layer_norm's weight) reads out.bias, which training reads only through a cast."""
+    def __init__(self):
+        super().__init__()
+        self.a, self.out = nn.Linear(12, 12), nn.Linear(12, 5)
+
+    def forward(self, x):
+        h = self.out(torch.relu(self.a(x)))
+        return h if self.training else nn.functional.layer_norm(h, (5,), weight=self.out.bias)
+
+
+def one_step(gm, optimizer, step=0):
+    x, y = batch(step)
+    nn.functional.cross_entropy(gm(x).float(), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_a_master_frozen_after_low_weights_stays_put(store):
+    model = make()
+    gm = convert(model, "O2", dtype=torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    if store:
+        low_weights(gm, optimizer)
+    model.inp.weight.requires_grad_(False)
+    before = model.inp.weight.clone()
+    for step in range(3):
+        one_step(gm, optimizer, step)
+    assert torch.equal(model.inp.weight, before) and model.inp.weight.grad is None
+
+
+def test_a_failed_backward_neither_stops_training_nor_leaks_its_gradients():
+    runs = {}
+    for store in (True, False):
+        model = make()
+        gm = convert(model, "O2", dtype=torch.bfloat16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        if store:
+            low_weights(gm, optimizer)
+        x, y = batch(0)
+        x.requires_grad_(True).register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("failing hook")))
+        with pytest.raises(RuntimeError, match="failing hook"):
+            nn.functional.cross_entropy(gm(x), y).backward()   # the weights' gradients arrived before the input's
+        optimizer.zero_grad()
+        with pytest.warns(RuntimeWarning, match="dropped") if store else contextlib.nullcontext():
+            for step in range(1, 4):
+                one_step(gm, optimizer, step)
+        runs[store] = params(model)
+    assert_same(runs[True], runs[False], rtol=0, atol=0)
+
+
+def test_the_step_models_converted_graph_follows_a_loaded_checkpoint():
+    model = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = build_train_network(model, optimizer, nn.CrossEntropyLoss(), "O2", dtype=torch.bfloat16)
+    step(*batch(0))
+    model.load_state_dict(make(seed=4).state_dict())
+    x, _ = batch(1)
+    expected = convert(make(seed=4), "O2", dtype=torch.bfloat16)(x)
+    torch.testing.assert_close(step.converted(x), expected, rtol=0, atol=0)
+
+
+def test_a_tied_weight_loads_under_either_name():
+    model = make()
+    model.out2 = model.out   # the same Parameters under two names, both read through casts only
+    gm = convert(model, "O2", dtype=torch.bfloat16)
+    weights = low_weights(gm, torch.optim.SGD(model.parameters(), lr=0.5))
+    tied = next(pair for pair in weights.pairs if len(pair.names) > 1)
+    value = torch.randn_like(tied.master)
+    gm.load_state_dict({tied.names[-1]: value}, strict=False)
+    assert torch.equal(tied.master, value) and torch.equal(gm.state_dict()[tied.names[0]], value)
+
+
+def test_deepcopy_gets_fp32_masters_and_shares_nothing_and_save_is_refused(tmp_path):
+    trained, gm, weights = plain_loop(True, steps=3)
+    copied = copy.deepcopy(gm)
+    for pair in weights.pairs:
+        for name in pair.names:
+            held = copied.get_parameter(name)
+            assert held.dtype == torch.float32 and torch.equal(held, pair.master) and held is not pair.master
+    x, _ = batch(5)
+    torch.testing.assert_close(copied(x), gm(x), rtol=0, atol=0)
+    copied.load_state_dict({k: torch.zeros_like(v) for k, v in copied.state_dict().items()})
+    assert trained.inp.weight.abs().sum() > 0   # the original's masters untouched
+    with pytest.raises(TypeError, match="state_dict"):
+        torch.save(gm, tmp_path / "gm.pt")
+    torch.save(gm.state_dict(), tmp_path / "state.pt")
+
+
+def test_replaced_copies_are_refused_at_the_next_forward():
+    model = make()
+    gm = convert(model, "O2", dtype=torch.bfloat16)
+    low_weights(gm, torch.optim.SGD(model.parameters(), lr=0.5))
+    gm.inp.weight = nn.Parameter(torch.zeros_like(gm.inp.weight))   # as fully_shard or to_empty would
+    with pytest.raises(RuntimeError, match="no longer the low copy"):
+        gm(batch(0)[0])
+
+
+def test_ddp_built_before_low_weights_is_refused(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = make()
+        gm = convert(model, "O2", dtype=torch.bfloat16)
+        ddp = DistributedDataParallel(gm)
+        low_weights(gm, torch.optim.SGD(model.parameters(), lr=0.5))
+        with pytest.raises(RuntimeError, match="built before low_weights"):
+            ddp(batch(0)[0])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_graph_switched_by_the_mode_puts_back_masters_it_reads_in_fp32():
+    results = {}
+    for store in (True, False):
+        model = make(ReadsTraining)
+        gm = convert(model, "O2", dtype=torch.bfloat16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        weights = low_weights(gm, optimizer) if store else None
+        one_step(gm, optimizer)
+        gm.eval()
+        with torch.no_grad():
+            results[store] = gm(batch(1)[0])
+        if store:
+            assert gm.out.bias.dtype == torch.float32 and "out.bias" not in {n for p in weights.pairs for n in p.names}
+    torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)

@@ -19,22 +19,34 @@ and are cast where read, as before. The user's model keeps its fp32 parameters: 
   not call step(): no copy changes); before each forward, the copies of masters whose version counter or storage
   moved otherwise (load_state_dict, an in-place edit under no_grad). A write through `.data` moves no version
   counter: call `weights.refresh()` after one.
-- Checkpoints: gm.state_dict() holds the masters' fp32 values, gm.load_state_dict() writes the masters.
+- Checkpoints: gm.state_dict() holds the masters' fp32 values, gm.load_state_dict() writes the masters;
+  deepcopy(gm) (an EMA model) gets fp32 parameters holding the masters' values; torch.save(gm) is refused
+  (it would save the copies): save gm.state_dict().
+- Each forward checks that gm still holds the copies (FSDP's fully_shard or to_empty() replace them: raised),
+  that a wrapping DDP watches them (DDP built before low_weights() would all-reduce nothing: raised), follows
+  the masters' requires_grad, and, when convert() switched graphs with the train/eval mode, puts back the fp32
+  master of any weight the new graph reads otherwise than through a low cast.
+- Use the masters (the user's model.parameters()) for clipping, EMA and new optimizers: gm.parameters() yields
+  the copies, whose .grad is cleared at each fold.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
-from dataclasses import dataclass
+import warnings
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from amp_compiler.passes.fx.runtime import is_cast
 
-LOW = (torch.float16, torch.bfloat16)
+ATTRIBUTE = "_amp_low_weights"
 
 
 @dataclass(eq=False)   # compared by identity: its fields are tensors
@@ -43,6 +55,8 @@ class _Pair:
     low: nn.Parameter             # what gm holds and its graph reads
     names: list[str]              # its names in gm (a tied weight has several)
     seen: tuple = ()              # the master's (version, data_ptr) when `low` was last made from it
+    hook: object = None           # the copy's post-accumulate-grad hook
+    slots: list = field(default_factory=list)   # (owner module's _parameters, name): where gm holds it
 
     def current(self) -> tuple:
         return self.master._version, self.master.data_ptr()
@@ -55,29 +69,34 @@ class LowWeights:
     def __init__(self, gm: fx.GraphModule, optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> None:
         self.gm, self.dtype = gm, dtype
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self.pairs = [_Pair(master, _low_copy(master, dtype), names)
-                      for master, names in _weights_read_only_low(gm, dtype)
-                      if id(master) in in_optimizer and master.requires_grad]
+        only_low, _ = _graph_reads(gm, dtype)
+        self.pairs = [_Pair(param, _low_copy(param, dtype), names) for param, names in _named_params(gm)
+                      if id(param) in only_low and param.dtype == torch.float32
+                      and id(param) in in_optimizer and param.requires_grad]
         self._by_low = {id(pair.low): pair for pair in self.pairs}
+        self._masters = {id(pair.master) for pair in self.pairs}
+        self._graph = gm.graph            # the graph analysed; a train/eval switch brings in another
+        self._fold_task = None            # the autograd graph task whose end-of-backward fold is queued
+        self._fold_after_backward = True  # False inside DDP's no_sync()
+        self._paused = 0
+        self._ddp_checked: set[int] = set()
+        self._ranks_agreed = False
         for pair in self.pairs:
             pair.seen = pair.current()
-            for name in pair.names:
-                owner, leaf = _owner(gm, name)
-                owner._parameters[leaf] = pair.low
-        self._fold_queued = False
-        self._fold_after_backward = True
-        self.driven_by_step = False   # build_train_network's step refreshes itself and traces gm: no hooks then
-        self._ranks_agreed = False
-        self._handles = [pair.low.register_post_accumulate_grad_hook(self._gradient_arrived)
-                         for pair in self.pairs]
-        # After a real step, all copies at once: a fused optimizer (AdamW(fused=True) on CPU) writes the masters
-        # without moving their version counters. A skipped step never calls step(), so nothing is remade.
-        self._handles += [optimizer.register_step_post_hook(lambda *a: self.refresh(only_stale=False)),
-                          gm.register_forward_pre_hook(self._before_forward),
-                          # (functions, not bound methods: torch marks the hooks with an attribute)
-                          gm.register_state_dict_post_hook(lambda *a: self._masters_in_state_dict(*a)),
-                          gm.register_load_state_dict_pre_hook(lambda *a: self._load_into_masters(*a))]
-        gm.__dict__["_amp_low_weights"] = self
+            pair.slots = _put(gm, pair.names, pair.low)
+            pair.hook = pair.low.register_post_accumulate_grad_hook(self._gradient_arrived)
+        me = weakref.ref(self)
+        # After any optimizer's real step that holds a master: a fused optimizer (AdamW(fused=True) on CPU)
+        # writes the masters without moving their version counters. A skipped step never calls step().
+        self._handles = [register_optimizer_step_post_hook(
+                             lambda optimizer, *_: (w := me()) is not None and w._stepped(optimizer)),
+                         gm.register_forward_pre_hook(_before_forward),
+                         gm.register_state_dict_post_hook(_masters_in_state_dict),
+                         gm.register_load_state_dict_pre_hook(_load_into_masters)]
+        # first in gm's __dict__, so that deepcopy(gm) meets it before the parameters (see __deepcopy__)
+        entries = dict(gm.__dict__)
+        gm.__dict__.clear()
+        gm.__dict__.update({ATTRIBUTE: self, **entries})
 
     # -- copies ------------------------------------------------------------------------------------------
     def refresh(self, only_stale: bool = True) -> int:
@@ -91,15 +110,58 @@ class LowWeights:
                 pair.seen = pair.current()
         return len(stale)
 
-    def _before_forward(self, module, args) -> None:
-        if self.driven_by_step:
+    def _stepped(self, optimizer) -> None:
+        if any(id(p) in self._masters for group in optimizer.param_groups for p in group["params"]):
+            self.refresh(only_stale=False)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No forward-hook work: build_train_network traces gm with fake tensors and refreshes itself."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def before_forward(self) -> None:
+        if self._paused:
             return
+        if self.gm.graph is not self._graph:   # convert() switched graphs with the train/eval mode
+            self._follow_graph()
+        for pair in self.pairs:
+            if any(owner.get(leaf) is not pair.low for owner, leaf in pair.slots):
+                raise RuntimeError(
+                    f"{pair.names[0]} of the converted graph is no longer the low copy low_weights() put there "
+                    "(FSDP's fully_shard, to_empty() or an assignment replaced it): the masters would stop "
+                    "training. Call weights.remove() first and low_weights() after, or shard without it")
+            if pair.low.requires_grad != pair.master.requires_grad:   # the user froze or unfroze the master
+                pair.low.requires_grad_(pair.master.requires_grad)
+        if self._fold_task is not None and torch._C._current_graph_task_id() == -1:
+            self._drop_unfolded()
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
-        if ddp is not None:   # DDP all-reduces only when it synchronises: inside no_sync() keep the copies' grads
-            self._fold_after_backward = bool(ddp.require_backward_grad_sync)
-            if not self._ranks_agreed:
-                self._take_rank0_masters()
+        if ddp is not None:
+            self._under(ddp)
         self.refresh()
+
+    def _follow_graph(self) -> None:
+        """Weights the new graph reads otherwise than through a low cast go back to fp32 masters in gm."""
+        _, read_otherwise = _graph_reads(self.gm, self.dtype)
+        for pair in [pair for pair in self.pairs if id(pair.low) in read_otherwise]:
+            self._release(pair)
+        self._graph = self.gm.graph
+
+    def _under(self, ddp) -> None:
+        """DDP all-reduces only when it synchronises: inside no_sync() the copies keep their gradients."""
+        if id(ddp) not in self._ddp_checked:
+            watched = {id(p) for p in ddp._module_parameters}
+            if any(id(pair.low) not in watched for pair in self.pairs):
+                raise RuntimeError("DistributedDataParallel was built before low_weights(): it all-reduces the "
+                                   "fp32 masters' gradients, which the forward no longer produces, so ranks "
+                                   "would drift apart. Call low_weights(gm, optimizer) first, then wrap gm in DDP")
+            self._ddp_checked.add(id(ddp))
+        self._fold_after_backward = bool(ddp.require_backward_grad_sync)
+        if not self._ranks_agreed:
+            self._take_rank0_masters()
 
     def _take_rank0_masters(self) -> None:
         """DDP broadcast rank 0's low copies when it was built; the masters must follow, or each rank would
@@ -112,19 +174,32 @@ class LowWeights:
 
     # -- gradients ---------------------------------------------------------------------------------------
     def _gradient_arrived(self, low: torch.Tensor) -> None:
-        if not self._fold_queued:   # once per backward; the fold itself runs after DDP's own end-of-backward work
-            self._fold_queued = True
+        task = torch._C._current_graph_task_id()
+        if task != self._fold_task:   # once per backward; the fold runs after DDP's own end-of-backward work
+            self._fold_task = task
             Variable._execution_engine.queue_callback(
                 lambda: Variable._execution_engine.queue_callback(self._fold_at_end_of_backward))
 
     def _fold_at_end_of_backward(self) -> None:
-        self._fold_queued = False
+        self._fold_task = None
         if self._fold_after_backward:
             self.fold_gradients()
 
+    def _drop_unfolded(self) -> None:
+        """A backward raised after some copies' gradients arrived, so neither its end nor its fold came: those
+        partial gradients go (the masters' stay as they were) rather than join the next backward's."""
+        dropped = [pair.names[0] for pair in self.pairs if pair.low.grad is not None]
+        for pair in self.pairs:
+            pair.low.grad = None
+        self._fold_task = None
+        if dropped:
+            warnings.warn(f"a backward failed after gradients of {len(dropped)} stored weight(s) arrived "
+                          f"({', '.join(dropped[:3])}): those were dropped, not added to the masters' .grad",
+                          RuntimeWarning, stacklevel=4)
+
     def fold_gradients(self) -> int:
         """Add the copies' gradients into the masters' .grad (fp32) and clear them; returns how many."""
-        arrived = [pair for pair in self.pairs if pair.low.grad is not None]
+        arrived = [pair for pair in self.pairs if pair.low.grad is not None and pair.master.requires_grad]
         with torch.no_grad():
             for device_pairs in _by_device(arrived):
                 fresh = [p for p in device_pairs if p.master.grad is None]   # after zero_grad(): copy, not add
@@ -135,23 +210,24 @@ class LowWeights:
                 adding = [p for p in device_pairs if p not in fresh]
                 if adding:
                     torch._foreach_add_([p.master.grad for p in adding], [p.low.grad for p in adding])
-        for pair in arrived:
+        for pair in self.pairs:   # a frozen master's copy's gradient goes too
             pair.low.grad = None
         return len(arrived)
 
     # -- checkpoints -------------------------------------------------------------------------------------
-    def _masters_in_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+    def masters_in_state_dict(self, state_dict: dict, prefix: str) -> None:
         for pair in self.pairs:
             for name in pair.names:
                 if prefix + name in state_dict:
                     state_dict[prefix + name] = pair.master.detach()
 
     @torch.no_grad()
-    def _load_into_masters(self, module, state_dict, prefix, *rest) -> None:
+    def load_into_masters(self, state_dict: dict, prefix: str) -> None:
         for pair in self.pairs:
-            value = state_dict.get(prefix + pair.names[0])
-            if isinstance(value, torch.Tensor) and value.shape == pair.master.shape:
-                pair.master.copy_(value)   # gm's own load then writes the copy from the same value
+            for name in pair.names:   # a tied weight: every name given loads, in order, as into one tensor
+                value = state_dict.get(prefix + name)
+                if isinstance(value, torch.Tensor) and value.shape == pair.master.shape:
+                    pair.master.copy_(value)   # gm's own load then writes the copy from the same value
 
     # -- the rest ----------------------------------------------------------------------------------------
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
@@ -163,22 +239,61 @@ class LowWeights:
         """What the copies cost (bytes): the price of casting no weight in the forward."""
         return sum(pair.low.numel() * pair.low.element_size() for pair in self.pairs)
 
+    def _release(self, pair: _Pair) -> None:
+        """Fold `pair`'s gradient, put its master back into gm, forget it."""
+        self.fold_gradients()
+        pair.hook.remove()
+        _put(self.gm, pair.names, pair.master)
+        self.pairs = [p for p in self.pairs if p is not pair]
+        self._by_low.pop(id(pair.low), None)
+        self._masters.discard(id(pair.master))
+
     def remove(self) -> None:
         """Put the fp32 masters back into gm (its graph casts them again) and drop every hook."""
-        self.fold_gradients()
+        for pair in list(self.pairs):
+            self._release(pair)
         for handle in self._handles:
             handle.remove()
+        self.gm.__dict__.pop(ATTRIBUTE, None)
+
+    def __deepcopy__(self, memo):
+        """deepcopy(gm) (an EMA model, a snapshot) gets fp32 parameters holding the masters' values and casts
+        them as before: its state_dict is fp32, and it shares nothing with this one."""
         for pair in self.pairs:
-            for name in pair.names:
-                owner, leaf = _owner(self.gm, name)
-                owner._parameters[leaf] = pair.master
-        self.gm.__dict__.pop("_amp_low_weights", None)
-        self.pairs, self._by_low = [], {}
+            memo.setdefault(id(pair.low), nn.Parameter(pair.master.detach().clone(),
+                                                       requires_grad=pair.master.requires_grad))
+        return None
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("torch.save/pickle of a GraphModule with stored low weights would save the low copies, "
+                        "not the fp32 masters: save gm.state_dict() (it holds the masters), or call "
+                        "weights.remove() first")
 
     def __repr__(self) -> str:
         stored = sum(pair.low.numel() for pair in self.pairs)
         return (f"LowWeights({len(self.pairs)} weights stored {str(self.dtype).replace('torch.', '')}, "
                 f"{stored:,} values, {self.nbytes() / 2**20:.1f} MiB of copies)")
+
+
+# gm's hooks: plain functions that find the LowWeights through the module (a deep copy of gm finds none)
+def _weights_of(module) -> LowWeights | None:
+    weights = module.__dict__.get(ATTRIBUTE)
+    return weights if weights is not None and weights.gm is module else None
+
+
+def _before_forward(module, args) -> None:
+    if (weights := _weights_of(module)) is not None:
+        weights.before_forward()
+
+
+def _masters_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    if (weights := _weights_of(module)) is not None:
+        weights.masters_in_state_dict(state_dict, prefix)
+
+
+def _load_into_masters(module, state_dict, prefix, *rest) -> None:
+    if (weights := _weights_of(module)) is not None:
+        weights.load_into_masters(state_dict, prefix)
 
 
 def low_weights(gm: fx.GraphModule, optimizer: torch.optim.Optimizer) -> LowWeights:
@@ -193,9 +308,9 @@ def low_weights(gm: fx.GraphModule, optimizer: torch.optim.Optimizer) -> LowWeig
                         f"{type(gm).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if "_amp_low_weights" in gm.__dict__:
-        raise RuntimeError("low_weights() already ran on this GraphModule: use the LowWeights it returned "
-                           "(gm.__dict__['_amp_low_weights']), or call its remove() first")
+    if ATTRIBUTE in gm.__dict__:
+        raise RuntimeError(f"low_weights() already ran on this GraphModule: use the LowWeights it returned "
+                           f"(gm.__dict__[{ATTRIBUTE!r}]), or call its remove() first")
     dtype = getattr(torch, gm.meta["amp"]["dtype"])
     weights = LowWeights(gm, optimizer, dtype)
     if not weights.pairs:
@@ -206,27 +321,22 @@ def low_weights(gm: fx.GraphModule, optimizer: torch.optim.Optimizer) -> LowWeig
     return weights
 
 
-def _weights_read_only_low(gm: fx.GraphModule, dtype: torch.dtype) -> list[tuple[nn.Parameter, list[str]]]:
-    """fp32 parameters every graph read of which is a cast to `dtype`, with their names in gm."""
+def _graph_reads(gm: fx.GraphModule, dtype: torch.dtype) -> tuple[set[int], set[int]]:
+    """(ids of parameters every graph read of which is a cast to `dtype`, ids of parameters read otherwise)."""
     reads: dict[int, list[fx.Node]] = {}
     read_otherwise: set[int] = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            value = operator.attrgetter(node.target)(gm)
+            value = _attribute(gm, node.target)
             if isinstance(value, nn.Parameter):
                 reads.setdefault(id(value), []).append(node)
             elif isinstance(value, nn.Module):   # a module handed to a runtime helper reads its parameters
                 read_otherwise.update(id(p) for p in value.parameters())
         elif node.op == "call_module":
             read_otherwise.update(id(p) for p in gm.get_submodule(node.target).parameters())
-    names: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, param in gm.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-        params[id(param)] = param
-    return [(params[key], names[key]) for key, nodes in reads.items()
-            if key not in read_otherwise and params.get(key) is not None
-            and params[key].dtype == torch.float32 and all(_only_cast_low(node, dtype) for node in nodes)]
+    only_low = {key for key, nodes in reads.items()
+                if key not in read_otherwise and all(_only_cast_low(node, dtype) for node in nodes)}
+    return only_low, read_otherwise | (set(reads) - only_low)
 
 
 def _only_cast_low(node: fx.Node, dtype: torch.dtype) -> bool:
@@ -234,13 +344,35 @@ def _only_cast_low(node: fx.Node, dtype: torch.dtype) -> bool:
                                     and user.args[1] == dtype for user in node.users)
 
 
+def _named_params(gm: nn.Module) -> list[tuple[nn.Parameter, list[str]]]:
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in gm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    return [(params[key], names[key]) for key in params]
+
+
+def _attribute(gm: nn.Module, target: str):
+    try:
+        return operator.attrgetter(target)(gm)
+    except AttributeError:
+        return None
+
+
+def _put(gm: nn.Module, names: list[str], param: nn.Parameter) -> list[tuple[dict, str]]:
+    """Make `param` what gm holds under each of `names`; returns where (owner's _parameters, leaf name)."""
+    slots = []
+    for name in names:
+        prefix, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(prefix) if prefix else gm
+        owner._parameters[leaf] = param
+        slots.append((owner._parameters, leaf))
+    return slots
+
+
 def _low_copy(master: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(master.detach().to(dtype), requires_grad=True)
-
-
-def _owner(gm: nn.Module, name: str) -> tuple[nn.Module, str]:
-    prefix, _, leaf = name.rpartition(".")
-    return (gm.get_submodule(prefix) if prefix else gm), leaf
 
 
 def _by_device(pairs: list[_Pair]) -> list[list[_Pair]]:

@@ -15,6 +15,7 @@ drop_overflow_update=False; more than bad_step_max non-finite steps in a row rai
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -63,8 +64,6 @@ class TrainStep:
         self._bad_steps = None if isinstance(self._scaling, LossScaleManager) else \
             BadStepLimit(getattr(self._scaling, "bad_step_max", BAD_STEP_MAX))
         self.low_weights = low_weights   # O2: converted holds low copies, the optimizer steps fp32 masters
-        if low_weights is not None:
-            low_weights.driven_by_step = True
         self._master_of = low_weights.master_of if low_weights is not None else (lambda param: param)
         self.history = StepHistory()
         self.last_note = ""
@@ -92,10 +91,10 @@ class TrainStep:
 
     def __call__(self, *inputs_and_label) -> tuple[torch.Tensor, Overflow, float]:
         inputs, label = self._split(inputs_and_label)
+        if self.low_weights is not None:
+            self.low_weights.before_forward()   # the copies of masters changed since (load_state_dict, ...)
         trainable = self._trainable()
         joint = self._joint_graph(inputs, label, trainable)
-        if self.low_weights is not None:
-            self.low_weights.refresh()   # the copies of the masters the last step changed
         scale = float(self._scaling.get_loss_scale())
         drop_on_overflow = self._scaling.get_drop_overflow_update()
         mutated = [self._tensors_by_name[name] for name in joint.mutated_state] if drop_on_overflow else []
@@ -156,8 +155,9 @@ class TrainStep:
         key = (_signature((inputs, label)), tuple(g.training for _, g in self._flag_pairs), tuple(trainable))
         joint = self._graphs.get(key)
         if joint is None:
-            joint = trace_joint_graph(self.converted, self.loss_fn, trainable, self._state(trainable), inputs,
-                                      label)
+            with self.low_weights.paused() if self.low_weights is not None else contextlib.nullcontext():
+                joint = trace_joint_graph(self.converted, self.loss_fn, trainable, self._state(trainable), inputs,
+                                          label)
             self.num_traces += 1
             self._graphs[key] = joint
             if len(self._graphs) > MAX_CACHED_GRAPHS:
