@@ -21,6 +21,10 @@ export gives (each op's counter advances by the same step per block), except nod
 tracing (sym_size_int_*), whose numbers depend on how many blocks it traced. The nodes copied share their
 template's fake values (same shapes). A forward that indexes its blocks by count (`self.layers[i]` for i in
 range(config.num_hidden_layers)) fails the short export: the whole model is exported, as before.
+
+Not seen: a forward that branches on a middle block's position in the loop (`if i == 5`, `config.types[i]` read
+by the model's loop rather than stored on the block, as Hugging Face stores layer types): blocks 1, 2 and the last
+agree, and block 5 would get block 2's graph. Set MIN_BLOCKS very high to export such a model whole.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from torch import nn
 
 from amp_compiler.frontend.hooks import HOOK_DICTS
 
-MIN_BLOCKS = 6          # 4 are traced: fewer would save little
+MIN_BLOCKS = 8   # 4 are traced: fewer save little, and a refused short export costs half a full one more
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 _INERT = (type(None), bool, int, complex, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
 _NAME = re.compile(r"^(.*)_(\d+)$")
