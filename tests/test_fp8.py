@@ -206,6 +206,8 @@ def test_fp8_options_are_checked():
         amp_compiler.make_config("fp8", dtype=torch.float16)
     with pytest.raises(ValueError, match="fp8_margin"):
         amp_compiler.make_config("fp8", fp8_margin=-1)
+    with pytest.raises(ValueError, match=r"fp8_keep pattern\(s\) \['haed'\] matched no low matmul"):
+        amp_compiler.convert(Mixed(), "fp8", fp8_keep=["head", "haed"], example_inputs=(torch.randn(2, 40),))
 
 
 # -- training, saving, and the user's model -----------------------------------------------------------------------

@@ -9,7 +9,8 @@ decided-low matmul calls; its operands stay the bf16 values O1 computes, and fp8
 (e4m3 forward, e5m2 gradients, per-tensor current scaling, power-of-two scales). Every low matmul-class node
 gets a rule that says which: "fp8 (...): <the O1 rule>" when lowered, "<the O1 rule>; fp8: kept bfloat16:
 <why>" when not. A matmul stays bf16 when
-  - a user pattern names it (fp8_keep=["lm_head", "layers.*.attention"]: node names or module paths, globbed);
+  - a user pattern names it (fp8_keep=["lm_head", "layers.*.attention"]: node names or module paths, globbed;
+    a pattern that names no low matmul is a ValueError, as force_fp32's);
   - it is not linear/matmul/mm called as a function (a hooked nn.Linear stays a module call; bmm, baddbmm,
     einsum, addmm, conv: not lowered yet), or an operand is not bf16, or the second operand is not one 2-D
     matrix (attention's batched q @ k^T: _scaled_mm multiplies one pair of 2-D matrices);
@@ -98,11 +99,13 @@ def _static(size) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def _kept_because(gm: fx.GraphModule, node: fx.Node, options: Fp8Options, low: torch.dtype) -> str | None:
+def _kept_because(gm: fx.GraphModule, node: fx.Node, options: Fp8Options, low: torch.dtype,
+                  matched: set[str]) -> str | None:
     """Why this decided-low matmul-class node stays bf16, or None when it becomes an fp8 matmul."""
     amp = facts(node)
     for pattern in options.keep:
         if _matches(pattern, amp.get("module", ""), node.name):
+            matched.add(pattern)
             return f"user rule: fp8_keep {pattern!r}"
     operands = _operands(node)
     if operands is None:
@@ -135,11 +138,12 @@ def lower_fp8_matmuls(gm: fx.GraphModule, options: Fp8Options, low: torch.dtype)
     """Rewrite the decided-low linear/matmul/mm nodes that qualify into fp8 calls; give every low
     matmul-class node its fp8 rule. Counts: fp8 (lowered), kept (low matmul-class nodes left in `low`)."""
     lowered = kept = 0
+    matched: set[str] = set()
     for node in list(gm.graph.nodes):
         amp = facts(node)
         if amp.get("family") != "matmul" or amp.get("precision") != "low":
             continue
-        why = _kept_because(gm, node, options, low)
+        why = _kept_because(gm, node, options, low, matched)
         if why is not None:
             amp["rule"] = f"{amp.get('rule', '')}; fp8: kept {dtype_name(low)}: {why}"
             kept += 1
@@ -150,4 +154,8 @@ def lower_fp8_matmuls(gm: fx.GraphModule, options: Fp8Options, low: torch.dtype)
             else (fp8_matmul, (x, w, options.margin))
         amp["rule"] = f"fp8 ({options.recipe()}): {amp.get('rule', '')}"
         lowered += 1
+    unmatched = [pattern for pattern in options.keep if pattern not in matched]
+    if unmatched:   # as force_fp32's: a typo must not leave a matmul in fp8 silently
+        raise ValueError(f"fp8_keep pattern(s) {unmatched} matched no low matmul's node name or module path; "
+                         "explain(gm) lists both")
     return PassResult(modified=bool(lowered), counts={"fp8": lowered, "kept": kept})
