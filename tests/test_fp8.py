@@ -182,7 +182,9 @@ def test_explain_says_which_matmuls_run_fp8_and_why_the_others_stay_bf16():
     assert "a batched matmul is not lowered yet" in rules["matmul_2"]
     assert "user rule: fp8_keep 'head'" in rules["linear_2"]
     assert gm.meta["amp"]["pass_counts"]["lower_fp8_matmuls"] == {"fp8": 2, "kept": 4}
+    model.head.register_forward_hook(lambda module, args, out: None)   # a hooked leaf stays a module call
     default = _rules(amp_compiler.convert(model, "fp8", example_inputs=(x,)))
+    assert "a module call (its hooks run)" in default["amp_module_call"]
     assert "min(K=32, N=48) < fp8_min_dim 1024" in default["linear_1"]
     with torch.no_grad():
         torch.testing.assert_close(gm(x), model(x), rtol=0.1, atol=0.05)

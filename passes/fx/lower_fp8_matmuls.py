@@ -29,7 +29,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from amp_compiler.passes.fx.fp8_runtime import GEMM_MULTIPLE, fp8_linear, fp8_matmul
-from amp_compiler.passes.fx.runtime import is_cast
+from amp_compiler.passes.fx.runtime import amp_module_call, is_cast
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.policy.rules import _as_tuple, _matches
@@ -109,7 +109,8 @@ def _kept_because(gm: fx.GraphModule, node: fx.Node, options: Fp8Options, low: t
             return f"user rule: fp8_keep {pattern!r}"
     operands = _operands(node)
     if operands is None:
-        how = "a module call (its hooks run)" if node.op == "call_module" else f"{amp.get('op')} in this call form"
+        module_call = node.op == "call_module" or node.target is amp_module_call   # a leaf kept whole (hooks)
+        how = "a module call (its hooks run)" if module_call else f"{amp.get('op')} in this call form"
         return f"{how}: only linear, matmul and mm called as functions are lowered to fp8"
     x, w, _, as_linear = operands
     dtypes = [facts(v).get("dtype") if isinstance(v, fx.Node) else None for v in (x, w)]
