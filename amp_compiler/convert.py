@@ -102,7 +102,7 @@ def _convert(model, config, level, example_inputs, dynamic_shapes, calibration_d
                                     freeze, overrides)
     return compile_graph(captured, config, calibration_data, freeze=freeze, convert_again=lambda copy: convert(
         copy, level, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
-        calibration_data=calibration_data, freeze=freeze, **overrides))
+        calibration_data=calibration_data, freeze=freeze, **overrides), spend_capture=True)
 
 
 def convert_uncapturable(model: nn.Module, error: TracingError, level: str, example_inputs, dynamic_shapes,
@@ -118,14 +118,15 @@ def convert_uncapturable(model: nn.Module, error: TracingError, level: str, exam
 
 def compile_graph(captured: CapturedGraph, config: AmpConfig, calibration_data=None, *, freeze: bool = False,
                   convert_again: Callable[[nn.Module], fx.GraphModule] | None = None,
-                  follow_flags: bool = True) -> fx.GraphModule:
+                  follow_flags: bool = True, spend_capture: bool = False) -> fx.GraphModule:
     """FX_PIPELINE on a copy of `captured`'s graph (the capture is left as it was: compile it again with
     another config). `convert_again(model_copy)` converts the model in other train()/eval() flags when the
     graph read `self.training` (default: capture that copy and compile it with this config); follow_flags=False:
-    the caller does that itself (an in-place part keys its graphs by the user's modules' flags)."""
+    the caller does that itself (an in-place part keys its graphs by the user's modules' flags).
+    spend_capture=True (convert(): one compilation per capture): the passes edit the capture's own graph, no copy."""
     config = dataclasses.replace(config)   # target devices are written on it below
     model, example_inputs = captured.model, captured.example_inputs
-    gm = graph_module_to_compile(captured, generate_code=False)   # run_pipeline generates it once, at the end
+    gm = graph_module_to_compile(captured, generate_code=False, spend=spend_capture)   # run_pipeline: the code, once
     config.devices, devices_from = target_devices(model, example_inputs)   # ops they have no low kernel for stay fp32
     with user_hooks_silenced(gm):   # the user's hooks fire on calls, not on fake values or calibration runs
         counts = run_pipeline(gm, config, example_inputs, calibration_data)

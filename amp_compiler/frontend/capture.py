@@ -52,16 +52,21 @@ def capture(model: nn.Module, example_inputs=None, dynamic_shapes=None) -> Captu
     return captured
 
 
-def graph_module_to_compile(captured: CapturedGraph, *, generate_code: bool = True) -> fx.GraphModule:
+def graph_module_to_compile(captured: CapturedGraph, *, generate_code: bool = True,
+                            spend: bool = False) -> fx.GraphModule:
     """A GraphModule the passes may rewrite: a copy of the captured graph (same node names, same generated
     code; each node's meta copied, so facts a pass writes stay on the copy) on the capture's module objects
     (its own copy of the user's tree: the passes add attributes to the GraphModule, never to its modules),
     with the model's own hooks. Compiling it never changes `captured`'s graph. generate_code=False: its code is
-    left to the caller's gm.recompile() after the passes (graph_module_on)."""
+    left to the caller's gm.recompile() after the passes (graph_module_on). spend=True (a caller that compiles the
+    capture once, convert()): the capture's own graph, not a copy, and `captured` cannot be compiled again."""
     source = captured.graph_module
-    graph = copy.deepcopy(source.graph)   # fx.Graph's own deepcopy: nodes by name, codegen (output type)
-    for node in graph.nodes:
-        node.meta = {key: _copied(value) for key, value in node.meta.items()}
+    if spend:
+        graph, captured.graph_module = source.graph, None   # compiling it again fails loudly, never on an edited graph
+    else:
+        graph = copy.deepcopy(source.graph)   # fx.Graph's own deepcopy: nodes by name, codegen (output type)
+        for node in graph.nodes:
+            node.meta = {key: _copied(value) for key, value in node.meta.items()}
     # The same module objects, not a copy: the capture is garbage once compiled, and a copy it held would keep
     # weights a load_state_dict(assign=True) replaced alive (frozen copies of them too) until a gc cycle.
     gm = graph_module_on(source, graph, type(source).__name__, generate_code=generate_code)
