@@ -6,8 +6,8 @@ first conversion's one-time costs included, as a user meets them; peak RSS is th
     Llama-3-8B shape on the meta device (torch.export)    target <= 5 s and <= 1 GB RSS
 then the time against depth (the Llama at 8/16/32/64 layers, the MLP at 250/500/1000/2000 blocks): linear when
 "ms per block" stays flat. `--against COMMIT` also converts each row with that commit's amp_compiler (git archive
-into a temporary directory), alternating with this checkout's, so both columns share the machine's load; the
-issue's figures were taken on another machine.
+into a temporary directory) in the same run, so both columns share the machine's load; the issue's figures were
+taken on another machine.
 
     python benchmarks/bench_convert_scale.py [--against 464202c] [--repeats 2] [--depth]
 """

@@ -2,7 +2,7 @@
 a model built on the meta device converts, then takes real weights (to_empty + load_state_dict).
 
 A spliced graph is the graph a full export gives: same code (node names included), same decisions, same outputs;
-blocks whose graph depends on their index are exported whole. Speed is measured in benchmarks/bench_convert.py.
+blocks whose graph depends on their index are exported whole. Speed is measured in benchmarks/bench_convert_scale.py.
 """
 from __future__ import annotations
 
