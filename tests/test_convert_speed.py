@@ -155,3 +155,27 @@ def test_a_model_built_on_the_meta_device_converts_and_takes_real_weights():
         gm.get_buffer(name).copy_(buffer)
     assert not [n for n in missing if n not in dict(real.named_buffers())]
     assert torch.equal(gm(*IDS).logits, expected(*IDS).logits)
+
+
+class PositionalStack(Stack):
+    """Its loop knows each block's position: block 5 alone is doubled, which blocks 1, 2 and the last cannot show."""
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            x = x + 1.0
+        for i, block in enumerate(self.blocks):
+            x = block(x) * (2.0 if i == 5 else 1.0)
+        return x
+
+
+def test_a_loop_that_reads_the_blocks_position_is_exported_whole():
+    assert repeated_blocks.repeated_blocks(PositionalStack("none")) is None
+    assert repeated_blocks.repeated_blocks(Stack("none")) is not None
+    torch.manual_seed(0)
+    model = PositionalStack("none").eval()
+    x = torch.randn(3, 8)
+    gm = amp_compiler.convert(model, "O1", dtype=BF16, example_inputs=(x,))
+    assert not spliced(gm)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = model(x)
+    torch.testing.assert_close(gm(x).float(), expected.float(), rtol=0.05, atol=0.05)

@@ -22,15 +22,20 @@ tracing (sym_size_int_*), whose numbers depend on how many blocks it traced. The
 template's fake values (same shapes). A forward that indexes its blocks by count (`self.layers[i]` for i in
 range(config.num_hidden_layers)) fails the short export: the whole model is exported, as before.
 
-Not seen: a forward that branches on a middle block's position in the loop (`if i == 5`, `config.types[i]` read
-by the model's loop rather than stored on the block, as Hugging Face stores layer types): blocks 1, 2 and the last
-agree, and block 5 would get block 2's graph. Set MIN_BLOCKS very high to export such a model whole.
+A forward that branches on a middle block's position in the loop (`if i == 5`, `config.types[i]` read by the
+model's loop rather than stored on the block) would not be seen by blocks 1, 2 and the last agreeing, and block 5
+would get block 2's graph: so the container's owner must read it blindly (`for block in self.layers`, a slice of
+it, `self.layers(x)`, `len(self.layers)`; its forward's source is read), else the whole model is exported. A
+position counted by hand in the loop's body (`n += 1; if n == 5`) is still not seen.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
+import inspect
 import re
+import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -102,9 +107,33 @@ def repeated_blocks(root: nn.Module) -> Repeat | None:
             continue
         first = _facts(blocks[0])
         if first is not None and all(_same_but_index(first, _facts(b), i) for i, b in enumerate(blocks[1:], 1)) \
-                and (best is None or len(keys) > best.count):
+                and (best is None or len(keys) > best.count) and _owner_loops_blindly(root, path):
             best = Repeat(path, module, keys)
     return best
+
+
+def _owner_loops_blindly(root: nn.Module, path: str) -> bool:
+    """The forward of the container's owner reads it only as `for block in self.x` (or a slice of it),
+    `self.x(...)` or `len(self.x)`: no position (`enumerate`, `zip`, `self.x[i]`) that a middle block's graph
+    could depend on (`if i == 5`), which blocks 1, 2 and the last agreeing would not show. Unknown: False."""
+    owner_path, _, attribute = path.rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(owner).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    blind = set()   # ids of the `self.x` nodes read in an allowed way
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
+            iterated = node.iter.value if isinstance(node.iter, ast.Subscript) and \
+                isinstance(node.iter.slice, ast.Slice) else node.iter
+            blind.add(id(iterated))
+        elif isinstance(node, ast.Call) and (isinstance(node.func, ast.Attribute) or
+                                             (isinstance(node.func, ast.Name) and node.func.id == "len")):
+            blind.add(id(node.func) if isinstance(node.func, ast.Attribute) else id(node.args[0] if node.args else node))
+    reads = [node for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == attribute
+             and isinstance(node.value, ast.Name) and node.value.id == "self"]
+    return bool(reads) and all(id(read) in blind for read in reads)
 
 
 def _facts(block: nn.Module) -> list | None:
