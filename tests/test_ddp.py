@@ -1,11 +1,15 @@
 """Two ranks (gloo, loopback): build_train_network averages gradients and all-reduces the overflow flag,
-and a converted GraphModule trains inside DistributedDataParallel with a loss-scale manager."""
+and a converted GraphModule trains inside DistributedDataParallel with a loss-scale manager, also with its
+weights stored low (low_weights: the all-reduce moves their low gradients)."""
+import contextlib
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from amp_compiler import DynamicLossScaleManager, build_train_network, convert
+from amp_compiler import DynamicLossScaleManager, build_train_network, convert, low_weights
 from distributed_testing import WORLD_SIZE, gathered, run_on_two_ranks
+from test_low_weights import batch as mlp_batch, make as make_mlp, params
 
 
 def make_model():
@@ -95,3 +99,42 @@ def check_both(rank):
 
 def test_two_ranks_train_identically_and_skip_overflow_together():
     run_on_two_ranks(check_both)
+
+
+# -- O2 with weights stored low (amp_compiler/train/low_weights.py) under DDP ---------------------------------------------------------------------------------
+def ddp_loop(rank: int, store: bool) -> list[torch.Tensor]:
+    """3 optimizer steps of 2 micro-batches each (the first inside no_sync); rank 1 starts from other weights,
+    which DDP's broadcast (and, for stored weights, the masters' broadcast) must overwrite."""
+    from torch.nn.parallel import DistributedDataParallel
+    model = make_mlp(seed=rank)
+    gm = convert(model, "O2", dtype=torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    if store:
+        low_weights(gm, optimizer)
+    ddp = DistributedDataParallel(gm)
+    if not store:   # DDP broadcast gm's parameters, which are the masters here
+        assert torch.equal(model.inp.weight, gathered(model.inp.weight)[0])
+    for step in range(3):
+        for k, context in enumerate((ddp.no_sync(), contextlib.nullcontext())):
+            with context:
+                x, y = mlp_batch(1000 * rank + 10 * step + k)
+                nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return params(model)
+
+
+def check_ddp_with_stored_weights(rank):
+    stored, casting = ddp_loop(rank, True), ddp_loop(rank, False)
+    for tensor in stored:   # every rank holds the same masters, rank 1's own start overwritten
+        first, other = gathered(tensor)
+        assert torch.equal(first, other)
+    start = params(make_mlp(seed=0))
+    for a, b, s in zip(stored, casting, start, strict=True):
+        # the updates agree to bf16 rounding of the all-reduced gradients; losing the no_sync micro-batch
+        # (a fold before DDP synchronised) would halve them
+        torch.testing.assert_close(a - s, b - s, rtol=0.05, atol=2e-3)
+
+
+def test_ddp_all_reduces_low_gradients_and_folds_after_no_sync():
+    run_on_two_ranks(check_ddp_with_stored_weights)

@@ -282,51 +282,6 @@ def test_refusals_name_the_problem():
         low_weights(gm, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-# -- DistributedDataParallel ---------------------------------------------------------------------------------
-def ddp_loop(rank: int, store: bool) -> list[torch.Tensor]:
-    """3 optimizer steps of 2 micro-batches each (the first inside no_sync); rank 1 starts from other weights,
-    which DDP's broadcast (and, for stored weights, the masters' broadcast) must overwrite."""
-    from torch.nn.parallel import DistributedDataParallel
-    model = make(seed=rank)
-    gm = convert(model, "O2", dtype=torch.bfloat16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    if store:
-        low_weights(gm, optimizer)
-    ddp = DistributedDataParallel(gm)
-    if not store:   # DDP broadcast gm's parameters, which are the masters here
-        assert torch.equal(model.inp.weight, gathered(model.inp.weight)[0])
-    for step in range(3):
-        for k, context in enumerate((ddp.no_sync(), contextlib.nullcontext())):
-            with context:
-                x, y = batch(1000 * rank + 10 * step + k)
-                nn.functional.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return params(model)
-
-
-def check_ddp_with_stored_weights(rank):
-    stored, casting = ddp_loop(rank, True), ddp_loop(rank, False)
-    for tensor in stored:   # every rank holds the same masters, rank 1's own start overwritten
-        first, other = gathered(tensor)
-        assert torch.equal(first, other)
-    start = params(make(seed=0))
-    for a, b, s in zip(stored, casting, start, strict=True):
-        # the updates agree to bf16 rounding of the all-reduced gradients; losing the no_sync micro-batch
-        # (a fold before DDP synchronised) would halve them
-        torch.testing.assert_close(a - s, b - s, rtol=0.05, atol=2e-3)
-
-
-def test_ddp_all_reduces_low_gradients_and_folds_after_no_sync():
-    from distributed_testing import run_on_two_ranks
-    run_on_two_ranks(check_ddp_with_stored_weights)
-
-
-def gathered(tensor):
-    from distributed_testing import gathered as all_gathered
-    return all_gathered(tensor)
-
-
 # -- what a second reading found (each silently wrong before its fix) -----------------------------------------
 class ReadsTraining(nn.Module):
     """In eval an fp32 op (layer_norm's weight) reads out.bias, which training reads only through a cast."""
