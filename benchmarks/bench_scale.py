@@ -56,7 +56,7 @@ def timed_fx_pipeline(seconds: dict):
         return dataclasses.replace(step, run=run)
 
     convert_module.FX_PIPELINE = dataclasses.replace(pipeline, passes=tuple(timed(p) for p in pipeline.passes))
-    trace = convert_module.trace
+    trace = convert_module.capture
 
     def timed_trace(*args, **kwargs):   # the front end (torch.export here): not our passes
         start = time.perf_counter()
@@ -65,7 +65,7 @@ def timed_fx_pipeline(seconds: dict):
         finally:
             seconds["(trace)"] += time.perf_counter() - start
 
-    convert_module.trace = timed_trace
+    convert_module.capture = timed_trace
 
 
 def child_llama(layers: int) -> dict:
