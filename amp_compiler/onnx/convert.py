@@ -49,6 +49,16 @@ from amp_compiler.passes.onnx.widen_refused_nodes import widen_refused_onnx_node
 IR_LOW_DTYPES = {torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
 
 
+def onnx_config(entry: str, level: str, **options) -> AmpConfig:
+    """make_config for an ONNX entry point; the fp8 level has no ONNX form yet (its float8 matmuls are a torch
+    runtime helper, torch._scaled_mm): refused rather than written as plain bf16 O1."""
+    config = make_config(level, **options)
+    if config.fp8 is not None:
+        raise ValueError(f"{entry}: level 'fp8' has no ONNX form yet (its float8 matmuls run as torch._scaled_mm); "
+                         "export at O1/O2 with dtype=torch.bfloat16 or torch.float16")
+    return config
+
+
 def convert_onnx(src, dst=None, level: str = "O1", *, keep_io_types: bool = True, op_block_list=None,
                  node_block_list=None, dtype=torch.float16, progress: bool | None = None,
                  calibration_data=None, **overrides) -> OnnxConversionReport:
@@ -66,10 +76,7 @@ def convert_onnx(src, dst=None, level: str = "O1", *, keep_io_types: bool = True
     hold on them stay fp32 (passes/onnx/calibrate_ranges.py).
     """
     started = time.perf_counter()
-    config = make_config(level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
-    if config.fp8 is not None:   # the fp8 matmuls are a torch runtime helper; ONNX float8 is not written yet
-        raise ValueError("convert_onnx: level 'fp8' has no ONNX form yet (its float8 matmuls run as torch._scaled_mm); "
-                         "export at O1/O2 with dtype=torch.bfloat16 or torch.float16")
+    config = onnx_config("convert_onnx", level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
     op_block_list, node_block_list = _names(op_block_list, "op_block_list"), _names(node_block_list, "node_block_list")
     check_calibration_data(calibration_data)
     if dst is not None:

@@ -36,7 +36,8 @@ from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert import compile_graph
 from amp_compiler.frontend import CapturedGraph, TracingError, capture, graph_module_to_compile
 from amp_compiler.frontend.export_capture import settle_training_flag
-from amp_compiler.onnx.convert import ONNX_FINISH_PIPELINE, OnnxState, check_onnx_model, conversion_warnings
+from amp_compiler.onnx.convert import (ONNX_FINISH_PIPELINE, OnnxState, check_onnx_model, conversion_warnings,
+                                       onnx_config)
 from amp_compiler.onnx.files import save_onnx_model, weight_bytes
 from amp_compiler.onnx.progress import ConversionProgress, announcing
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts
@@ -65,10 +66,7 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
     """
     started = time.perf_counter()
     args = args if isinstance(args, tuple) else (args,)
-    config = make_config(level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
-    if config.fp8 is not None:   # the fp8 matmuls are a torch runtime helper; ONNX float8 is not written yet
-        raise ValueError("export_onnx: level 'fp8' has no ONNX form yet (its float8 matmuls run as torch._scaled_mm); "
-                         "export at O1/O2 with dtype=torch.bfloat16 or torch.float16")
+    config = onnx_config("export_onnx", level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
     # steps: capture, convert, torch.onnx.export, each export pass, save
     with ConversionProgress(3 + len(EXPORT_PIPELINE.passes) + 1, enabled=progress, desc="export_onnx") as steps:
         steps.advance("capture")
