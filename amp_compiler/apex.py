@@ -27,6 +27,7 @@ from torch import nn
 
 from amp_compiler.convert import convert
 from amp_compiler.in_place.conversion import in_place_conversion
+from amp_compiler.train.low_weights import fused_copy_
 from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 from amp_compiler.train.scale_arguments import checked_scale
 
@@ -341,13 +342,8 @@ class OptimizerStash:
         return any(low.grad is not None for low, _ in self.pairs) and \
             all(master.grad is None for _, master in self.pairs)
 
-    @torch.no_grad()
     def masters_to_model(self) -> None:
-        by_device: dict = {}   # one fused copy per device
-        for low, master in self.pairs:
-            by_device.setdefault(low.device, []).append((low, master))
-        for pairs in by_device.values():
-            torch._foreach_copy_([low for low, _ in pairs], [master for _, master in pairs])
+        fused_copy_([low for low, _ in self.pairs], [master for _, master in self.pairs])
 
     def clear_master_grads(self) -> None:
         # model.zero_grad() cannot reach them (Apex clears them after each step too)

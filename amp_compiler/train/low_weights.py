@@ -103,9 +103,7 @@ class LowWeights:
         """Remake the copies whose master changed (all of them with only_stale=False); returns how many."""
         stale = [pair for pair in self.pairs if not only_stale or pair.seen != pair.current()]
         if stale:
-            with torch.no_grad():
-                for device_pairs in _by_device(stale):
-                    torch._foreach_copy_([p.low for p in device_pairs], [p.master for p in device_pairs])
+            fused_copy_([p.low for p in stale], [p.master for p in stale])
             for pair in stale:
                 pair.seen = pair.current()
         return len(stale)
@@ -200,16 +198,14 @@ class LowWeights:
     def fold_gradients(self) -> int:
         """Add the copies' gradients into the masters' .grad (fp32) and clear them; returns how many."""
         arrived = [pair for pair in self.pairs if pair.low.grad is not None and pair.master.requires_grad]
+        adding = [pair for pair in arrived if pair.master.grad is not None]
+        fresh = [pair for pair in arrived if pair.master.grad is None]   # after zero_grad(): copy, not add
+        for pair in fresh:
+            pair.master.grad = torch.empty_like(pair.master, memory_format=torch.preserve_format)
+        fused_copy_([p.master.grad for p in fresh], [p.low.grad for p in fresh])
         with torch.no_grad():
-            for device_pairs in _by_device(arrived):
-                fresh = [p for p in device_pairs if p.master.grad is None]   # after zero_grad(): copy, not add
-                for pair in fresh:
-                    pair.master.grad = torch.empty_like(pair.master, memory_format=torch.preserve_format)
-                if fresh:
-                    torch._foreach_copy_([p.master.grad for p in fresh], [p.low.grad for p in fresh])
-                adding = [p for p in device_pairs if p not in fresh]
-                if adding:
-                    torch._foreach_add_([p.master.grad for p in adding], [p.low.grad for p in adding])
+            for device_pairs in _by_device(adding):
+                torch._foreach_add_([p.master.grad for p in device_pairs], [p.low.grad for p in device_pairs])
         for pair in self.pairs:   # a frozen master's copy's gradient goes too
             pair.low.grad = None
         return len(arrived)
@@ -373,6 +369,18 @@ def _put(gm: nn.Module, names: list[str], param: nn.Parameter) -> list[tuple[dic
 
 def _low_copy(master: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(master.detach().to(dtype), requires_grad=True)
+
+
+@torch.no_grad()
+def fused_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """targets[i].copy_(sources[i]) (casting) for all i, one fused copy per device."""
+    by_device: dict[torch.device, tuple[list, list]] = {}
+    for target, source in zip(targets, sources, strict=True):
+        group = by_device.setdefault(target.device, ([], []))
+        group[0].append(target)
+        group[1].append(source)
+    for device_targets, device_sources in by_device.values():
+        torch._foreach_copy_(device_targets, device_sources)
 
 
 def _by_device(pairs: list[_Pair]) -> list[list[_Pair]]:

@@ -142,8 +142,8 @@ class TrainStep:
 
     def _trainable(self) -> dict[str, nn.Parameter]:
         in_optimizer = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        return {name: p for name, p in self._named_parameters
-                if id(self._master_of(p)) in in_optimizer and self._master_of(p).requires_grad}
+        masters = ((name, p, self._master_of(p)) for name, p in self._named_parameters)
+        return {name: p for name, p, master in masters if id(master) in in_optimizer and master.requires_grad}
 
     def _state(self, trainable: dict) -> dict[str, torch.Tensor]:
         frozen = {name: p for name, p in self._named_parameters if name not in trainable}
