@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from amp_compiler.passes.fx.lower_fp8_matmuls import FP8_OPTION_KEYS, Fp8Options
+from amp_compiler.passes.policy.fp8 import FP8_OPTION_KEYS, Fp8Options
 from amp_compiler.passes.policy.levels import LEVELS, Level
 from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.policy.rules import PrecisionRules
@@ -35,7 +35,7 @@ class AmpConfig:
     cast_placement: bool = True     # move casts at fp32 islands' edges to where fewer bytes cross (place_casts)
     placement_method: str = "cut"   # "cut": a minimum cut; "greedy": the local search benchmarks compare it with
     devices: tuple = ()             # device types the model runs on ("cpu"): ops they have no low kernel for stay fp32
-    fp8: Fp8Options | None = None   # the fp8 level's options (lower_fp8_matmuls.py); None at the other levels
+    fp8: Fp8Options | None = None   # the fp8 level's options (passes/policy/fp8.py); None at the other levels
 
     @property
     def level_spec(self) -> Level:

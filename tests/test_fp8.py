@@ -208,6 +208,16 @@ def test_fp8_options_are_checked():
         amp_compiler.make_config("fp8", dtype=torch.float16)
     with pytest.raises(ValueError, match="fp8_margin"):
         amp_compiler.make_config("fp8", fp8_margin=-1)
+    with pytest.raises(ValueError, match="fp8_scaling must be one of"):
+        amp_compiler.make_config("fp8", fp8_scaling="tensorwise")
+    with pytest.raises(ValueError, match=r"\['fp8_history'\] apply to fp8_scaling='delayed' only"):
+        amp_compiler.make_config("fp8", fp8_history=8)
+    with pytest.raises(ValueError, match="fp8_history must be at least 1"):
+        amp_compiler.make_config("fp8", fp8_scaling="delayed", fp8_history=0)
+    with pytest.raises(ValueError, match="fp8_max_error must be a number > 0"):
+        amp_compiler.make_config("fp8", fp8_max_error=0)
+    assert amp_compiler.make_config("fp8", fp8_scaling="delayed", fp8_amax_from="most_recent").fp8.amax_from == \
+        "most_recent"
     with pytest.raises(ValueError, match=r"fp8_keep pattern\(s\) \['haed'\] matched no low matmul"):
         amp_compiler.convert(Mixed(), "fp8", fp8_keep=["head", "haed"], example_inputs=(torch.randn(2, 40),))
 

@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 
 from amp_compiler.passes.fx.runtime import graph_leaf
+from amp_compiler.passes.policy.fp8 import GEMM_MULTIPLE
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: float(torch.finfo(E4M3).max), E5M2: float(torch.finfo(E5M2).max)}   # 448, 57344
 AMAX_FLOOR = 1e-12   # an all-zero tensor gets a finite scale (2**48 at e4m3), not inf
-GEMM_MULTIPLE = 16   # cuBLASLt's fp8 GEMM: K, N (and the weight gradient's M) multiples of 16
 
 
 def current_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0) -> torch.Tensor:

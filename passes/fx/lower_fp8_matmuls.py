@@ -22,42 +22,21 @@ gets a rule that says which: "fp8 (...): <the O1 rule>" when lowered, "<the O1 r
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from amp_compiler.passes.fx.fp8_runtime import GEMM_MULTIPLE, fp8_linear, fp8_matmul
+from amp_compiler.passes.fx.fp8_runtime import fp8_linear, fp8_matmul
 from amp_compiler.passes.fx.runtime import amp_module_call, is_cast
 from amp_compiler.passes.node_facts import facts
+from amp_compiler.passes.policy.fp8 import Fp8Options, size_rule
 from amp_compiler.passes.policy.numerics import dtype_name
-from amp_compiler.passes.policy.rules import _as_tuple, _matches
+from amp_compiler.passes.policy.rules import _matches
 from amp_compiler.passes.runner import PassResult
 
 LINEAR_TARGETS = (F.linear, torch._C._nn.linear)
 MATMUL_TARGETS = (torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, operator.matmul, "matmul", "mm")
-FP8_OPTION_KEYS = ("fp8_min_dim", "fp8_margin", "fp8_keep")
-
-
-@dataclass(frozen=True)
-class Fp8Options:
-    """The fp8 level's options: convert(model, "fp8", fp8_min_dim=..., fp8_margin=..., fp8_keep=[...])."""
-    min_dim: int = 1024            # min(K, N) below this stays bf16 (module docstring says why)
-    margin: int = 0                # scales are divided by 2**margin: headroom for values past this call's amax
-    keep: tuple[str, ...] = ()     # node names / module paths (glob patterns) that stay bf16
-
-    @classmethod
-    def from_overrides(cls, overrides: dict) -> "Fp8Options":
-        min_dim, margin = overrides.get("fp8_min_dim", cls.min_dim), overrides.get("fp8_margin", cls.margin)
-        for name, value in (("fp8_min_dim", min_dim), ("fp8_margin", margin)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        return cls(min_dim, margin, _as_tuple(overrides.get("fp8_keep", ()), "fp8_keep"))
-
-    def recipe(self) -> str:
-        return (f"e4m3 operands -> bfloat16 via _scaled_mm, e5m2 gradients; per-tensor current scaling, "
-                f"power-of-two scales, margin {self.margin}")
 
 
 def _operands(node: fx.Node) -> tuple | None:
@@ -123,21 +102,14 @@ def _kept_because(gm: fx.GraphModule, node: fx.Node, options: Fp8Options, low: t
         return (f"operand shapes {list(x_shape)} x {list(w_shape)}: _scaled_mm multiplies 2-D matrices, the second "
                 "must be one matrix (a batched matmul is not lowered yet)")
     k, n = (w_shape[1], w_shape[0]) if as_linear else (w_shape[0], w_shape[1])
-    k, n = _static(k), _static(n)
-    if k is None or n is None:
-        return "K or N is a dynamic size: its multiple of 16 cannot be checked at conversion"
-    ragged = [f"{name}={size}" for name, size in (("K", k), ("N", n)) if size % GEMM_MULTIPLE]
-    if ragged:
-        return f"{', '.join(ragged)} not a multiple of {GEMM_MULTIPLE} (fp8 GEMM kernels need K and N multiples of 16)"
-    if min(k, n) < options.min_dim:
-        return (f"min(K={k}, N={n}) < fp8_min_dim {options.min_dim}: the amax and fp8 casts of x, w and the gradient "
-                "would cost about what the faster GEMM saves")
-    return None
+    return size_rule(_static(k), _static(n), options)
 
 
 def lower_fp8_matmuls(gm: fx.GraphModule, options: Fp8Options, low: torch.dtype) -> PassResult:
     """Rewrite the decided-low linear/matmul/mm nodes that qualify into fp8 calls; give every low
     matmul-class node its fp8 rule. Counts: fp8 (lowered), kept (low matmul-class nodes left in `low`)."""
+    if options.scaling != "current":   # until the runtime has them: never run another recipe than the one asked
+        raise NotImplementedError(f"fp8_scaling={options.scaling!r} is not built yet; 'current' is")
     lowered = kept = 0
     matched: set[str] = set()
     for node in list(gm.graph.nodes):
