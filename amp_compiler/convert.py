@@ -40,6 +40,7 @@ from amp_compiler.passes.fx.infer_dtypes import infer_dtypes
 from amp_compiler.passes.fx.insert_casts import insert_casts, output_value_nodes
 from amp_compiler.passes.fx.lower_fp8_matmuls import lower_fp8_matmuls
 from amp_compiler.passes.fx.lower_leaf_modules import lower_leaf_modules
+from amp_compiler.passes.fx.measure_fp8_operands import measure_fp8_operands
 from amp_compiler.passes.fx.opaque_calls import plan_opaque_calls
 from amp_compiler.passes.fx.place_casts import FxCastPlacement
 from amp_compiler.passes.fx.propagate_values import propagate_values
@@ -238,6 +239,10 @@ FX_PIPELINE = Pipeline("fx", (
          when=_paints, when_says=_PAINTING, reads=("op", "inplace", "dtype", "rule"), writes=("rule",)),
     Pass("fused_attention_masks", lambda s: fused_attention_masks(s.gm),   # GPU sdpa kernels need mask stride 1
          when=_paints, when_says=_PAINTING, reads=("op",), writes=("op", "class", "precision", "rule")),
+    Pass("measure_fp8_operands", lambda s: measure_fp8_operands(s.gm, s.calibration_data, s.config.fp8.margin),
+         when=lambda s: s.config.fp8 is not None and s.calibration_data is not None,   # an analysis: bf16 runs
+         when_says="at the fp8 level, with calibration_data", reads=("family", "precision"),
+         writes=("fp8_calibration",)),
     Pass("lower_fp8_matmuls", lambda s: lower_fp8_matmuls(s.gm, s.config.fp8, s.low),   # after every bf16 decision
          when=lambda s: s.config.fp8 is not None, when_says="at the fp8 level (levels.py)",
          reads=("family", "precision", "module", "dtype", "op", "rule"), writes=("rule",)),

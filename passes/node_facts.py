@@ -37,6 +37,8 @@ NodeFacts = TypedDict("NodeFacts", {
     "range": dict,            # calibrate_ranges: samples, max_abs, overflows, read_max, read_from, below_normal
     "hooks": list,            # front end (fx): the user hooks on the module a call_module node calls; it stays a call
     "warning": str,           # warn_constants_beyond_fp16 (fx): a constant beyond fp16 that reaches a float16 op
+    "fp8_calibration": dict,  # measure_fp8_operands (fx): samples, x_amax, w_amax, x_error, w_error, x_error_rowwise,
+                              # w_error_rowwise: a low matmul's operands through e4m3 on calibration_data
 }, total=False)
 
 ROLE = "amp_role"   # node.meta[ROLE]: "cast" | "loss_scale" | "unscale" | "overflow_check" on nodes the passes add
