@@ -245,7 +245,8 @@ FX_PIPELINE = Pipeline("fx", (
          writes=("fp8_calibration",)),
     Pass("lower_fp8_matmuls", lambda s: lower_fp8_matmuls(s.gm, s.config.fp8, s.low),   # after every bf16 decision
          when=lambda s: s.config.fp8 is not None, when_says="at the fp8 level (levels.py)",
-         reads=("family", "precision", "module", "dtype", "op", "rule"), writes=("rule",)),
+         reads=("family", "precision", "module", "dtype", "op", "rule", "fp8_calibration"),
+         writes=("rule", "op", "dtype")),   # op, dtype: on the scaling nodes it adds
 ), check=check_fx_graph, nodes=lambda s: list(s.gm.graph.nodes), front_end_facts=("hooks",))
 
 

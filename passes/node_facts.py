@@ -15,11 +15,12 @@ NodeFacts = TypedDict("NodeFacts", {
     # "key": type,  # the passes whose Pass(writes=...) name it (fx / onnx: that IR only; tests/test_runner.py
     #                 checks these lists against the pipelines): what it means
     "op": str,                # canonicalize, lower_leaf_modules (fx), insert_casts (fx), cast_after_layout_ops (fx),
-                              # fused_attention_masks (fx): the canonical op name of op_policy ("linear", "cast", ...)
+                              # fused_attention_masks (fx), lower_fp8_matmuls (fx): the canonical op name of op_policy
+                              # ("linear", "cast", ...; "fp8_amax", "fp8_scale", "fp8_cast" on fp8 scaling nodes)
     "inplace": bool,          # canonicalize (fx): the op writes its first operand in place
     "module": str,            # decide_precision (fx), canonicalize (onnx), insert_casts (fx): the module path that owns the node
-    "dtype": Any,             # infer_dtypes (fx), insert_casts (fx), cast_after_layout_ops (fx): torch.dtype of the value,
-                              # None when not a tensor / unknown
+    "dtype": Any,             # infer_dtypes (fx), insert_casts (fx), cast_after_layout_ops (fx), lower_fp8_matmuls (fx):
+                              # torch.dtype of the value, None when not a tensor / unknown
     "original_dtype": Any,    # infer_dtypes (fx): the dtype the value had before painting (an int stays an int)
     "class": str,             # mark_unchanged (fx), decide_precision, lower_leaf_modules (fx), insert_casts (fx),
                               # fused_attention_masks (fx): allow | infer | deny | clear | ignore | io | cast | opaque ...

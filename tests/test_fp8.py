@@ -176,8 +176,10 @@ def test_explain_says_which_matmuls_run_fp8_and_why_the_others_stay_bf16():
     rules = _rules(gm)
     targets = {n.name: getattr(n.target, "__name__", n.target) for n in gm.graph.nodes}
     assert "K=40 not a multiple of 16" in rules["linear"] and targets["linear"] == "linear"
-    assert rules["linear_1"].startswith("fp8 (e4m3") and targets["linear_1"] == "fp8_linear"
-    assert rules["matmul"].startswith("fp8 (e4m3") and targets["matmul"] == "fp8_matmul"
+    assert rules["linear_1"].startswith("fp8 (e4m3") and targets["linear_1"] == "fp8_scaled_linear"
+    assert rules["matmul"].startswith("fp8 (e4m3") and targets["matmul"] == "fp8_scaled_matmul"
+    assert targets["linear_1_x_fp8"] == "fp8_cast" and targets["matmul_w_scale"] == "fp8_scale"
+    assert rules["matmul_w_amax"] == "fp8 scaling of matmul's w: max |w| per tensor, float32"
     assert "a batched matmul is not lowered yet" in rules["matmul_1"]
     assert "a batched matmul is not lowered yet" in rules["matmul_2"]
     assert "user rule: fp8_keep 'head'" in rules["linear_2"]
@@ -196,8 +198,10 @@ def test_every_other_decision_is_bf16_o1s():
                                                     fp8_min_dim=16))
     o1 = amp_compiler.explain(amp_compiler.convert(task.model, "O1", dtype=torch.bfloat16,
                                                    example_inputs=task.example_inputs))
-    assert [(r["node"], r["precision"], r["dtype"]) for r in fp8.rows] == \
+    scaling_ops = ("fp8_amax", "fp8_scale", "fp8_cast")   # the nodes lower_fp8_matmuls adds, 3 per operand
+    assert [(r["node"], r["precision"], r["dtype"]) for r in fp8.rows if r["op"] not in scaling_ops] == \
         [(r["node"], r["precision"], r["dtype"]) for r in o1.rows]
+    assert sum(r["op"] in scaling_ops for r in fp8.rows) == 13 * 6
     assert sum(r["rule"].startswith("fp8 (") for r in fp8.rows) == 13   # 12 block linears + lm_head
 
 
@@ -270,7 +274,7 @@ def test_the_users_model_is_not_changed_and_the_module_saves():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert torch.equal(loaded(*x), out)
-    assert sum(getattr(n.target, "__name__", "") == "fp8_linear" for n in loaded.graph.nodes) == 2
+    assert sum(getattr(n.target, "__name__", "") == "fp8_scaled_linear" for n in loaded.graph.nodes) == 2
 
 
 def test_onnx_refuses_the_fp8_level(tmp_path):

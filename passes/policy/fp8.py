@@ -10,8 +10,10 @@ rule, so a matmul that trains in fp8 is the one exported in fp8. Scaling recipes
     delayed    per tensor, from the largest amax in a history of the last `fp8_history` calls (or the most
                recent one: fp8_amax_from="most_recent"); histories are buffers, saved in checkpoints
                (TransformerEngine's DelayedScaling). A history with nothing recorded yet scales from the
-               tensor itself, so the first step needs no warm-up
-    rowwise    one scale per row of x and of w (torchao "rowwise"): rows that span decades keep their digits
+               tensor itself, so the first step needs no warm-up; only training-mode calls record
+               (gm.train()): a validation pass in eval() leaves training's next scales as they were
+    rowwise    one scale per row of x and of w (torchao "rowwise"): rows that span decades keep their digits;
+               gradients e4m3 with one scale per row/column (torchao's: the row-wise GPU kernel is e4m3 x e4m3)
 
 Scales are powers of two divided by 2**fp8_margin. fp8_max_error applies with calibration_data: a matmul
 whose operands' fp8 round-trip error on the samples exceeds it stays bf16 (outlier rows).
@@ -77,7 +79,8 @@ class Fp8Options:
         scaling = {"current": "per-tensor current scaling",
                    "delayed": f"per-tensor delayed scaling ({self.amax_from} of {self.history} calls' amax)",
                    "rowwise": "row-wise current scaling"}[self.scaling]
-        return f"e4m3 operands -> bfloat16 via _scaled_mm, e5m2 gradients; {scaling}, power-of-two scales, " \
+        gradients = "e4m3" if self.scaling == "rowwise" else "e5m2"   # the row-wise GPU kernel: e4m3 x e4m3
+        return f"e4m3 operands -> bfloat16 via _scaled_mm, {gradients} gradients; {scaling}, power-of-two scales, " \
                f"margin {self.margin}"
 
 
