@@ -60,7 +60,10 @@ def resolve_dtype(value) -> torch.dtype:
                      f"got {value!r}")
 
 
-def make_config(level: str = "O1", **overrides) -> AmpConfig:
+FP8_LOW_DTYPES = (torch.bfloat16,)   # what runs around fp8 matmuls in torch (amp_compiler.onnx widens it)
+
+
+def make_config(level: str = "O1", *, fp8_low_dtypes: tuple = FP8_LOW_DTYPES, **overrides) -> AmpConfig:
     unknown = sorted(set(overrides) - set(OVERRIDE_KEYS))
     if unknown:
         raise ValueError(f"unknown option(s) {unknown}; valid options: {', '.join(OVERRIDE_KEYS)}")
@@ -79,9 +82,11 @@ def make_config(level: str = "O1", **overrides) -> AmpConfig:
     if fp8 is None and set(FP8_OPTION_KEYS) & set(overrides):
         raise ValueError(f"{sorted(set(FP8_OPTION_KEYS) & set(overrides))} apply to level 'fp8' only, not {level!r}")
     low = resolve_dtype(dtype_given if dtype_given is not None else torch.bfloat16 if fp8 else torch.float16)
-    if fp8 is not None and low != torch.bfloat16:   # fp8 outputs and the ops around the matmuls are bfloat16
-        raise ValueError(f"level 'fp8' runs its other low ops in bfloat16: give dtype=torch.bfloat16 (--dtype bfloat16) "
-                         f"or none; got {dtype_name(low)}. fp8 has no ONNX form yet")
+    if fp8 is not None and low not in fp8_low_dtypes:   # fp8 outputs and the ops around the matmuls
+        raise ValueError(f"level 'fp8' runs its other low ops in {' or '.join(map(dtype_name, fp8_low_dtypes))}: "
+                         f"give dtype={' or '.join(f'torch.{dtype_name(d)}' for d in fp8_low_dtypes)} or none; "
+                         f"got {dtype_name(low)}" + ("" if torch.float16 in fp8_low_dtypes else
+                                                     " (export_onnx / convert_onnx write fp8 models in float16)"))
     keep_norms = overrides.get("keep_batchnorm_fp32")
     if keep_norms is not None and not isinstance(keep_norms, bool):
         raise ValueError(f"keep_batchnorm_fp32 must be True, False or None, got {keep_norms!r}")

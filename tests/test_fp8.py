@@ -276,12 +276,3 @@ def test_the_users_model_is_not_changed_and_the_module_saves():
     assert torch.equal(loaded(*x), out)
     assert sum(getattr(n.target, "__name__", "") == "fp8_scaled_linear" for n in loaded.graph.nodes) == 2
 
-
-def test_onnx_refuses_the_fp8_level(tmp_path):
-    model = nn.Sequential(nn.Linear(32, 32))
-    with pytest.raises(ValueError, match="no ONNX form"):
-        amp_compiler.export_onnx(model, (torch.randn(2, 32),), tmp_path / "m.onnx", "fp8", dtype=torch.bfloat16)
-    plain = tmp_path / "plain.onnx"
-    amp_compiler.export_onnx(model, (torch.randn(2, 32),), plain, "O1", dtype=torch.float16)
-    with pytest.raises(ValueError, match="no ONNX form"):
-        amp_compiler.convert_onnx(str(plain), str(tmp_path / "fp8.onnx"), "fp8", dtype=torch.bfloat16)

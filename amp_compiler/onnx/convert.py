@@ -35,6 +35,7 @@ from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
 from amp_compiler.passes.onnx.infer_types import infer_onnx_types, infers_float_values
 from amp_compiler.passes.onnx.insert_casts import insert_onnx_casts
 from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
+from amp_compiler.passes.onnx.lower_fp8_matmuls import fp8_opset, lower_onnx_fp8_matmuls
 from amp_compiler.passes.onnx.lower_movers_between_casts import lower_onnx_movers_between_casts
 from amp_compiler.passes.onnx.canonicalize import all_nodes, onnx_canonicalize
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline, count
@@ -49,13 +50,19 @@ from amp_compiler.passes.onnx.widen_refused_nodes import widen_refused_onnx_node
 IR_LOW_DTYPES = {torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
 
 
+# ONNX files at the fp8 level run their other low ops in float16 (the default) or bfloat16; torch's fp8 level
+# takes bfloat16 only. ONNX Runtime's CPU provider has no bfloat16 MatMul, Add or QuantizeLinear kernel
+# (onnxruntime 1.31), while its float16 ones and QuantizeLinear/DequantizeLinear between float8 and float16
+# run: a float16 file is one that can be checked here, and what TensorRT's fp8 GEMMs also take.
+ONNX_FP8_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def onnx_config(entry: str, level: str, **options) -> AmpConfig:
-    """make_config for an ONNX entry point; the fp8 level has no ONNX form yet (its float8 matmuls are a torch
-    runtime helper, torch._scaled_mm): refused rather than written as plain bf16 O1."""
-    config = make_config(level, **options)
-    if config.fp8 is not None:
-        raise ValueError(f"{entry}: level 'fp8' has no ONNX form yet (its float8 matmuls run as torch._scaled_mm); "
-                         "export at O1/O2 with dtype=torch.bfloat16 or torch.float16")
+    """make_config for the ONNX entry point `entry` (at the fp8 level float16 is allowed around the fp8 matmuls)."""
+    config = make_config(level, fp8_low_dtypes=ONNX_FP8_LOW_DTYPES, **options)
+    if config.fp8 is not None and config.fp8.scaling != "current":   # no amax history / row-wise scales in a file
+        raise ValueError(f"{entry}: fp8_scaling={config.fp8.scaling!r} has no ONNX form: an ONNX fp8 model scales "
+                         "per tensor, computed in the graph ('current'), or static from convert_onnx's calibration_data")
     return config
 
 
@@ -209,6 +216,9 @@ ONNX_PIPELINE = Pipeline("onnx", (
     Pass("decide_precision", lambda s: _decide(s),   # painting, calibration, then cast placement (as on fx)
          reads=("op", "module", "range"), writes=("class", "family", "reason", "precision", "rule", "forced")),
     Pass("insert_casts", lambda s: insert_onnx_casts(s.model, s.low, s.config.keep_io_types), reads=("precision",)),
+    Pass("lower_fp8_matmuls", lambda s: lower_onnx_fp8_matmuls(s.model, s.config.fp8, s.low, exported=False),
+         when=lambda s: s.config.fp8 is not None, when_says="at the fp8 level (levels.py)",   # the fx pass's twin
+         reads=("precision", "module", "range"), writes=("rule",)),
     *ONNX_FINISH_PIPELINE.passes,
 ), check=check_onnx_model, nodes=ONNX_FINISH_PIPELINE.nodes)
 
@@ -219,6 +229,8 @@ def run_onnx_pipeline(model: ir.Model, config: AmpConfig, *, op_block_list=(), n
     called as each pass starts."""
     if not config.level_spec.paints:
         return {}
+    if config.fp8 is not None:
+        fp8_opset(model)   # float8 types: opset 19 (the version converter rewrites what changed before it)
     state = OnnxState(model, config, tuple(op_block_list), tuple(node_block_list), calibration_data)
     return announcing(ONNX_PIPELINE, on_pass).run(state)
 

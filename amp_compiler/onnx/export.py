@@ -16,11 +16,17 @@ The precision of every op is the one convert() chose, with what inference change
 - weights are stored once, in fp16 where every reader can take it: embedding tables read by a lookup
   (store_moved_weights_low) and a tied LM head's transposed copy (store_tied_weights_once);
 - a weight that fp16 cannot hold (|x| > 65504) would reach the graph as inf, so the nodes reading it are
-  compiled again from the same capture with force_fp32 and keep it exact.
+  compiled again from the same capture with force_fp32 and keep it exact;
+- at level "fp8" (float16 around the matmuls by default: ONNX Runtime runs no bfloat16), each matmul convert()
+  lowered to fp8 is exported through a marker op (fp8_linear -> FP8_EXPORT_OPS) that torch.onnx writes as a
+  plain MatMul tagged with its origin; lower_fp8_matmuls then gives exactly those nodes their float8 operands
+  (passes/onnx/lower_fp8_matmuls.py): FLOAT8E4M3FN weights, Q/DQ activations, opset >= 19. The activation
+  scales are computed in the graph (export_onnx takes no calibration data).
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import operator
 import os
@@ -36,8 +42,8 @@ from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert import compile_graph
 from amp_compiler.frontend import CapturedGraph, TracingError, capture, graph_module_to_compile
 from amp_compiler.frontend.export_capture import settle_training_flag
-from amp_compiler.onnx.convert import (ONNX_FINISH_PIPELINE, OnnxState, check_onnx_model, conversion_warnings,
-                                       onnx_config)
+from amp_compiler.onnx.convert import (IR_LOW_DTYPES, ONNX_FINISH_PIPELINE, OnnxState, check_onnx_model,
+                                       conversion_warnings, onnx_config)
 from amp_compiler.onnx.files import save_onnx_model, weight_bytes
 from amp_compiler.onnx.progress import ConversionProgress, announcing
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts
@@ -45,8 +51,10 @@ from amp_compiler.insight.report import explain
 from amp_compiler.passes.fx.canonicalize import canonicalize
 from amp_compiler.passes.fx.fold_batch_norms import (find_foldable_batch_norms, fold_batch_norms_in_aten_graph,
                                                      fold_batch_norms_in_graph)
+from amp_compiler.passes.fx import fp8_runtime
 from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place_in_graph
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
+from amp_compiler.passes.onnx.lower_fp8_matmuls import FP8_EXPORT_NAMESPACE, fp8_opset, lower_onnx_fp8_matmuls, onnx_recipe
 from amp_compiler.passes.onnx.spec import is_float_type
 from amp_compiler.passes.policy.numerics import FP16_MAX
 from amp_compiler.passes.runner import Pass, Pipeline
@@ -85,11 +93,12 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
         kept, notes = _weights_beyond_fp16(gm) if config.low_dtype == torch.float16 else ((), [])
         if kept:   # the same capture, compiled again with the nodes reading those weights forced fp32
             force = (*_as_tuple(overrides.pop("force_fp32", ())), *kept)
-            gm = compile_graph(captured, make_config(level, dtype=dtype, keep_io_types=keep_io_types,
+            gm = compile_graph(captured, onnx_config("export_onnx", level, dtype=dtype, keep_io_types=keep_io_types,
                                                      force_fp32=force, **overrides))
         gm.eval()
+        rows = export_rows(gm, config)
         steps.advance("torch.onnx.export")
-        onnx_model = _export(gm, args, dynamic_shapes)
+        onnx_model = _export(mark_fp8_matmuls(gm), args, dynamic_shapes, fp8=config.fp8 is not None)
         report = OnnxConversionReport(type(model).__name__, os.fspath(path), config.level, config.low_dtype_name,
                                       config.keep_io_types, weight_bytes_before=fp32_weight_bytes(onnx_model),
                                       warnings=notes)
@@ -97,20 +106,89 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
         steps.saving()
         save_onnx_model(onnx_model, path, callback=steps.tensor_written)
     report.pass_counts = {**prepared, **counts}
-    report.rows = export_rows(gm)
+    report.rows = rows
     report.casts, report.weight_bytes_after = count_casts(onnx_model), weight_bytes(onnx_model)
     report.warnings += conversion_warnings(counts)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def export_rows(gm: fx.GraphModule) -> list[dict]:
-    """The report's rows: explain()'s, one per fx node of the exported graph, with its fp32 island."""
+def export_rows(gm: fx.GraphModule, config: AmpConfig | None = None) -> list[dict]:
+    """The report's rows: explain()'s, one per fx node of the exported graph, with its fp32 island. At the fp8
+    level an fp8 matmul's rule names the ONNX form (Q/DQ, float8 weights) where explain() names _scaled_mm."""
     explained = explain(gm)
     island_of = {node: i for i, island in enumerate(explained.islands) for node in island["nodes"]}
-    return [{"node": r["node"], "op_type": "(fx)", "op": r["op"], "precision": r["dtype"], "rule": r["rule"],
+    torch_recipe = f"fp8 ({config.fp8.recipe()})" if config is not None and config.fp8 is not None else None
+    onnx_form = f"fp8 ({onnx_recipe(config.fp8, IR_LOW_DTYPES[config.low_dtype])})" if torch_recipe else None
+    return [{"node": r["node"], "op_type": "(fx)", "op": r["op"], "precision": r["dtype"],
+             "rule": r["rule"].replace(torch_recipe, onnx_form, 1) if torch_recipe and r["rule"] else r["rule"],
              "module": r["module"], "class": r["class"], "island": island_of.get(r["node"], -1)}
             for r in explained.rows]
+
+
+# export_onnx's stand-ins for fp8_linear / fp8_matmul (fp8_runtime.py calls torch._scaled_mm, which torch.onnx
+# cannot write): opaque ops torch.export keeps whole, written by FP8_TRANSLATIONS as a plain MatMul whose
+# metadata names the marker, which lower_fp8_matmuls finds and lowers. Computed in the operands' dtype.
+@torch.library.custom_op(f"{FP8_EXPORT_NAMESPACE}::linear", mutates_args=())
+def _fp8_linear_marker(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@_fp8_linear_marker.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op(f"{FP8_EXPORT_NAMESPACE}::matmul", mutates_args=())
+def _fp8_matmul_marker(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.matmul(a, b) if bias is None else torch.addmm(bias, a, b)
+
+
+@_fp8_matmul_marker.register_fake
+def _(a, b, bias):
+    return a.new_empty((*a.shape[:-1], b.shape[-1]))
+
+
+def _linear_onnx(x, weight, bias=None):
+    from onnxscript import opset19 as op
+    y = op.MatMul(x, op.Transpose(weight, perm=[1, 0]))
+    return y if bias is None else op.Add(y, bias)
+
+
+def _matmul_onnx(a, b, bias=None):
+    from onnxscript import opset19 as op
+    y = op.MatMul(a, b)
+    return y if bias is None else op.Add(y, bias)
+
+
+# fp8_runtime's matmul helpers -> (marker, the names of its operands in the helper's signature): the one-node
+# forms (fp8_linear, fp8_matmul) and the forms with their scaling as graph nodes (fp8_scaled_*), where present
+_LINEAR, _MATMUL = _fp8_linear_marker._opoverload, _fp8_matmul_marker._opoverload
+_FP8_HELPERS = {"fp8_linear": (_LINEAR, ("x", "weight", "bias")), "fp8_matmul": (_MATMUL, ("a", "b", None)),
+                "fp8_scaled_linear": (_LINEAR, ("x", "weight", "bias")),
+                "fp8_scaled_matmul": (_MATMUL, ("a", "b", "bias"))}
+FP8_EXPORT_OPS = {getattr(fp8_runtime, name): how for name, how in _FP8_HELPERS.items() if hasattr(fp8_runtime, name)}
+FP8_TRANSLATIONS = {_LINEAR: _linear_onnx, _MATMUL: _matmul_onnx}
+
+
+def mark_fp8_matmuls(gm: fx.GraphModule) -> fx.GraphModule:
+    """Each fp8 matmul of `gm` calls its export marker on its bf16/fp16 operands instead; the scaling nodes
+    that fed it go (lower_fp8_matmuls writes the ONNX scaling, at the config's margin). Node names and facts
+    stay. `gm` is changed in place and returned."""
+    marked = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in FP8_EXPORT_OPS:
+            continue
+        marker, names = FP8_EXPORT_OPS[node.target]
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        node.target, node.kwargs = marker, {}
+        node.args = tuple(bound.arguments[name] if name else None for name in names)
+        marked += 1
+    if marked:
+        gm.graph.eliminate_dead_code()   # the amax / scale / fp8 cast nodes nothing reads now
+        gm.recompile()
+    return gm
 
 
 def inference_counts() -> dict:
@@ -152,6 +230,8 @@ def prepare_for_inference(captured: CapturedGraph, config: AmpConfig) -> tuple[C
 
 EXPORT_PIPELINE = Pipeline("export_onnx", (
     Pass("unique_names", lambda s: unique_onnx_names(s.model)),
+    Pass("lower_fp8_matmuls", lambda s: lower_onnx_fp8_matmuls(s.model, s.config.fp8, s.low, exported=True),
+         when=lambda s: s.config.fp8 is not None, when_says="at the fp8 level (levels.py)"),   # convert()'s fp8 ones
     *ONNX_FINISH_PIPELINE.passes,   # with the passes only an export needs (when=exported)
 ), check=check_onnx_model, nodes=ONNX_FINISH_PIPELINE.nodes, front_end_facts=("forced",))   # none carried (_DECIDED)
 
@@ -175,11 +255,14 @@ def export_fp32_reference(model: nn.Module, args: tuple, path, dynamic_shapes=No
         model.train(was_training)
 
 
-def _export(module: nn.Module, args: tuple, dynamic_shapes) -> ir.Model:
+def _export(module: nn.Module, args: tuple, dynamic_shapes, fp8: bool = False) -> ir.Model:
     with warnings.catch_warnings(), _quiet("torch.onnx._internal.exporter._registration"), \
             contextlib.redirect_stdout(None):
         warnings.simplefilter("ignore", FutureWarning)   # pytree deprecations inside torch.export
-        program = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes, verbose=False)
+        program = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes, verbose=False,
+                                    custom_translation_table=FP8_TRANSLATIONS if fp8 else None)
+    if fp8:
+        fp8_opset(program.model)   # torch's default opset where it is 19 or more (20 in torch 2.13)
     return program.model
 
 
