@@ -29,6 +29,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.in_place.conversion import in_place_conversion
+from amp_compiler.passes.fx.fp8_runtime import fp8_amax, fp8_cast, fp8_scale
 from amp_compiler.passes.fx.freeze_weight_casts import freeze_weight_casts
 from amp_compiler.passes.fx.runtime import amp_cast, amp_frozen_cast, graph_leaf
 
@@ -45,14 +46,16 @@ class _Copy:
     sample: torch.Tensor     # what those values were when `low` was made
     low: torch.Tensor
     packed: torch.Tensor | None = None   # `low` in oneDNN's blocked layout (frozen_linear), made on first use
+    scale: torch.Tensor | None = None    # an fp8 copy's: low ~= weight * scale (per tensor, or one per row)
 
     @staticmethod
-    def of(weight: torch.Tensor, dtype: torch.dtype) -> "_Copy":
+    def of(weight: torch.Tensor, make) -> "_Copy":
+        """make(weight) -> (low copy, its fp8 scale or None)."""
         with torch.inference_mode(False), torch.no_grad():   # a normal tensor, also made under inference_mode
-            low = weight.detach().to(dtype)
+            low, scale = make(weight.detach())
             sampled = _sampled_view(weight)
             copy = _Copy(weakref.ref(weight), weight._version, (weight.data_ptr(), weight.shape), sampled,
-                         sampled.clone(), low)
+                         sampled.clone(), low, scale=scale)
         _COPY_OF_LOW[id(low)] = copy
         return copy
 
@@ -63,6 +66,13 @@ class _Copy:
 
     def values_unchanged(self) -> bool:
         return torch.equal(self.sampled, self.sample)
+
+
+def fp8_copy(low: torch.Tensor, fp8_dtype: torch.dtype, dim: int | None, margin: int) -> tuple:
+    """(fp8 copy, scale) of a weight already in the matmul's dtype: the scaling nodes lower_fp8_matmuls writes
+    (fp8_amax -> fp8_scale -> fp8_cast), called as functions, so a frozen copy is bit for bit the unfrozen one."""
+    scale = fp8_scale(fp8_amax(low, dim), fp8_dtype, margin)
+    return fp8_cast(low, scale, fp8_dtype), scale
 
 
 def _sampled_view(weight: torch.Tensor) -> torch.Tensor:
@@ -121,22 +131,44 @@ class FrozenWeights(nn.Module):
         self._samples = None
         self.changes = next(_CHANGES)
 
+    def casts_each_call(self, weight: torch.Tensor) -> bool:
+        """While training, when autograd needs the weight, and under torch.compile (the checks would be guards:
+        inductor folds casts), no copy is kept: the weight is cast as in the unfrozen graph."""
+        return self.training or (torch.is_grad_enabled() and weight.requires_grad) or torch.compiler.is_compiling()
+
     def read(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.training or (torch.is_grad_enabled() and weight.requires_grad) or torch.compiler.is_compiling():
-            return amp_cast(weight, dtype)   # under torch.compile the checks would be guards: inductor folds casts
-        key = (id(weight), dtype)
+        if self.casts_each_call(weight):
+            return amp_cast(weight, dtype)
+        return self._copy(weight, dtype, lambda w: (w.to(dtype), None)).low
+
+    def read_fp8(self, weight: torch.Tensor, dtype: torch.dtype, fp8_dtype: torch.dtype, dim: int | None,
+                 margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the weight the fp8 matmul node takes for autograd, its fp8 copy, that copy's scale): the copy and scale
+        computed from the weight cast to `dtype` as the graph's own nodes compute them (fp8_copy). A frozen copy
+        is all an inference call reads: the matmul node gets the weight itself (no `dtype` copy is kept), which
+        it reads for its shape and, in a backward, its gradient; when the weight is cast each call, the cast."""
+        if self.casts_each_call(weight):
+            low = amp_cast(weight, dtype)
+            return (low, *fp8_copy(low, fp8_dtype, dim, margin))
+        copy = self._copy(weight, (dtype, fp8_dtype, dim, margin),
+                          lambda w: fp8_copy(amp_cast(w, dtype), fp8_dtype, dim, margin))
+        return weight, copy.low, copy.scale
+
+    def _copy(self, weight: torch.Tensor, kind, make) -> _Copy:
+        """The copy of `weight` of this `kind` (a dtype, or an fp8 recipe), made again when it is not the weight's."""
+        key = (id(weight), kind)
         copy = self._copies.get(key)
         if copy is None or not copy.still_of(weight):
             # copies of weights that are gone (a replaced Parameter) go too
             self._copies = {k: c for k, c in self._copies.items() if c.source() is not None}
-            copy = self._copies[key] = _Copy.of(weight, dtype)
+            copy = self._copies[key] = _Copy.of(weight, make)
             self._copies_changed()
             self.copies_made += 1
-        return copy.low
+        return copy
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for c in self._copies.values()
-                   for t in (c.low, c.packed) if t is not None)
+                   for t in (c.low, c.packed, c.scale) if t is not None)
 
     def clear(self) -> None:
         self._copies.clear()

@@ -8,6 +8,18 @@ Only casts of a parameter or buffer read with get_attr change; activation casts 
 copy is still the weight's: the check compares a sample of every weight's values at once, each read the
 weight's identity, version counter and storage; it casts afresh while training. Runs on a converted graph,
 after the fx pipeline.
+
+At the fp8 level (current or row-wise scaling) a weight's scaling nodes go too: the cache keeps its fp8 copy
+and scale (1 byte per weight, not bf16's 2), and the fp8 matmul reads the weight itself for its shape:
+
+    w_bf16 = amp_frozen_cast(self.fc.weight, torch.bfloat16, copies)
+    linear_w_amax = fp8_amax(w_bf16, None); linear_w_scale = fp8_scale(linear_w_amax, e4m3, 0)
+    linear_w_fp8 = fp8_cast(w_bf16, linear_w_scale, e4m3)
+    linear = fp8_scaled_linear(x, w_bf16, x_fp8, linear_w_fp8, x_scale, linear_w_scale, ...)
+        ->   w_frozen = amp_frozen_fp8_weight(self.fc.weight, torch.bfloat16, e4m3, None, 0, copies)
+             linear = fp8_scaled_linear(x, w_frozen[0], x_fp8, w_frozen[1], x_scale, w_frozen[2], ...)
+Delayed scaling's weight scale comes from its amax history, not from the weight: its fp8 cast stays per call
+(the bf16 copy is frozen as above).
 """
 from __future__ import annotations
 
@@ -16,8 +28,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from amp_compiler.passes.fx.fp8_runtime import fp8_amax, fp8_cast, fp8_scale
 from amp_compiler.passes.fx.runtime import (amp_frozen_cast, amp_frozen_check, amp_frozen_module_call,
-                                             amp_module_call, is_cast, is_float)
+                                             amp_module_call, graph_leaf, is_cast, is_float)
+from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.runner import PassResult
 
 
@@ -52,5 +66,43 @@ def freeze_weight_casts(gm: fx.GraphModule, holder: str) -> PassResult:
         call.target = amp_frozen_module_call
         call.args = (module, dtype, copies(), *args)
         module_calls += 1
-    return PassResult(modified=frozen + module_calls > 0,
-                      counts={"weight_casts_frozen": frozen, "module_calls_frozen": module_calls})
+    fp8_weights = sum(_freeze_fp8_weight(graph, cast) for cast in [n for n in graph.nodes if n.target is fp8_cast])
+    return PassResult(modified=frozen + module_calls + fp8_weights > 0,
+                      counts={"weight_casts_frozen": frozen, "module_calls_frozen": module_calls,
+                              "fp8_weights_frozen": fp8_weights})
+
+
+@graph_leaf
+def amp_frozen_fp8_weight(weight, dtype: torch.dtype, fp8_dtype: torch.dtype, dim, margin: int, copies):
+    """(weight for the fp8 matmul node, fp8 copy, scale) from `copies` (amp_compiler/frozen.py:
+    FrozenWeights.read_fp8): quantized once, again only when the weight changed; cast per call while training."""
+    return copies.read_fp8(weight, dtype, fp8_dtype, dim, margin)
+
+
+def _freeze_fp8_weight(graph: fx.Graph, cast: fx.Node) -> bool:
+    """Replace one frozen weight's current-scaling nodes (amax -> scale -> cast, module docstring) by one read of
+    its cached fp8 copy; False (unchanged) for anything else: an activation, delayed scaling."""
+    low, scale, fp8_dtype = cast.args
+    amax = scale.args[0] if isinstance(scale, fx.Node) and scale.target is fp8_scale and not scale.kwargs else None
+    if (cast.kwargs or not isinstance(low, fx.Node) or low.target is not amp_frozen_cast or amax is None
+            or amax.target is not fp8_amax or amax.kwargs or amax.args[0] is not low):
+        return False
+    weight, dtype, copies = low.args
+    dim, margin = amax.args[1] if len(amax.args) > 1 else None, scale.args[2] if len(scale.args) > 2 else 0
+    matmuls = list(cast.users)
+    with graph.inserting_before(cast):
+        frozen = graph.call_function(amp_frozen_fp8_weight, (weight, dtype, fp8_dtype, dim, margin, copies))
+        items = [graph.call_function(operator.getitem, (frozen, i)) for i in range(3)]
+    rule = f"frozen: {weight.target} as {dtype_name(fp8_dtype)} with its scale, quantized once, cached"
+    module = cast.meta.get("amp", {}).get("module", "")
+    for node, value_dtype in zip((frozen, *items), (None, None, fp8_dtype, torch.float32)):
+        node.meta["amp"] = {"op": "amp_frozen_fp8_weight", "module": module, "precision": None, "dtype": value_dtype,
+                            "rule": rule}
+    for matmul in matmuls:   # the matmul reads the weight itself; the bf16 copy stays only for other readers
+        matmul.replace_input_with(low, items[0])
+    cast.replace_all_uses_with(items[1])
+    scale.replace_all_uses_with(items[2])
+    for node in (cast, scale, amax, low):
+        if not node.users:
+            graph.erase_node(node)
+    return True
