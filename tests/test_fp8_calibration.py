@@ -84,7 +84,7 @@ def test_figures_are_the_reference_worst_sample():
         x = x.bfloat16()
         hidden = torch.relu(F.linear(x, low["fc.weight"], low["fc.bias"]))   # what the bf16 graph computes
         expected["linear"].append(reference_figures(x, low["fc.weight"]))
-        expected["matmul"].append(reference_figures(hidden, low["proj"].t()))   # (K, N): its columns are the rows
+        expected["matmul"].append(reference_figures(hidden, low["proj"].t().contiguous()))   # (K, N): its columns are the rows
     for name, per_sample in expected.items():
         worst = {key: max(s[key] for s in per_sample) for key in per_sample[0]}
         assert figures[name]["samples"] == 3
@@ -164,3 +164,73 @@ def test_a_generator_is_refused_with_what_to_pass():
     with pytest.raises(ValueError, match="generator"):
         amp_compiler.convert(model, "fp8", example_inputs=samples[0], calibration_data=(s for s in samples),
                              fp8_min_dim=16)
+
+
+# -- end to end: lower_fp8_matmuls reads the figures (keep rule, delayed histories) ---------------------------------
+
+class OneOutlierInput(nn.Module):
+    """Three linears; `outlier` alone reads y, whose rows the samples make span 7 decades."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.outlier, self.last = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+
+    def forward(self, x, y):
+        return self.last(torch.relu(self.first(x)) + self.outlier(y))
+
+
+def _outlier_samples(count: int) -> list[tuple]:
+    return [(torch.randn(16, 32, generator=torch.Generator().manual_seed(i)), spanning_rows(16, 32, 7, seed=i))
+            for i in range(count)]
+
+
+def test_the_linear_fed_outlier_rows_stays_bf16_with_its_figures_the_others_run_fp8():
+    torch.manual_seed(0)
+    model, samples = OneOutlierInput(), _outlier_samples(4)
+    gm = _convert(model, samples)
+    rows = {facts(n).get("module"): (n, facts(n)) for n in gm.graph.nodes if facts(n).get("family") == "matmul"}
+    node, amp = rows["outlier"]
+    figures = amp["fp8_calibration"]
+    assert figures["x_error"] > 0.1 and figures["samples"] == 4
+    assert f"fp8: kept bfloat16: calibrated e4m3 error x {figures['x_error']:.3g}" in amp["rule"]
+    assert "> fp8_max_error 0.1" in amp["rule"]
+    assert "fp8" not in str(node.target)
+    for module in ("first", "last"):
+        node, amp = rows[module]
+        assert "fp8_scaled_linear" in str(node.target) and amp["rule"].startswith("fp8 ("), amp["rule"]
+        assert "<= 0.1" in amp["rule"]
+    assert gm.meta["amp"]["pass_counts"]["lower_fp8_matmuls"] == {"fp8": 2, "kept": 1}
+    # row-wise scaling keeps the outlier rows' digits: all three run fp8
+    rowwise = _convert(model, samples, fp8_scaling="rowwise")
+    assert rowwise.meta["amp"]["pass_counts"]["lower_fp8_matmuls"] == {"fp8": 3, "kept": 0}
+    # a looser fp8_max_error lets it through
+    loose = _convert(model, samples, fp8_max_error=figures["x_error"] * 1.01)
+    assert loose.meta["amp"]["pass_counts"]["lower_fp8_matmuls"]["fp8"] == 3
+
+
+class _ScaleRecorder(torch.fx.Interpreter):
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.values = {}
+
+    def run_node(self, node):
+        result = super().run_node(node)
+        self.values[node.name] = result
+        return result
+
+
+def test_delayed_scaling_first_call_scales_from_the_calibrated_amax():
+    torch.manual_seed(0)
+    model, samples = LinearThenMatmul(), [(8 * torch.randn(2, 8, 32),) for _ in range(3)]
+    gm = _convert(model, samples, fp8_scaling="delayed").eval()
+    figures = _calibrated(gm)["linear"]
+    history = gm.fp8_history.linear
+    assert history.x[0].item() == figures["x_amax"] and history.w[0].item() == figures["w_amax"]
+    call = torch.randn(2, 8, 32) / 16   # its own amax is far below the samples': its own scale would be 2**6 larger
+    recorder = _ScaleRecorder(gm)
+    with torch.no_grad():
+        recorder.run(call)
+    x_scale = recorder.values["linear_x_scale"].item()
+    assert x_scale == reference_scale(figures["x_amax"], E4M3)
+    assert x_scale < reference_scale(call.bfloat16().abs().max().item(), E4M3) / 16
+    assert recorder.values["linear_w_scale"].item() == reference_scale(figures["w_amax"], E4M3)   # the weight's own too
