@@ -374,3 +374,33 @@ def test_delayed_histories_start_from_the_calibrated_amax():
     scale_node = next(n for n in gm.graph.nodes if n.name == "linear_x_scale")
     scale = scale_node.target(torch.tensor(1.0), histories.eval(), "x", E4M3, 0, "max")
     assert scale.item() == reference_scale(12.0, E4M3)   # the calibrated amax, not this call's 1.0
+
+
+class MatmulThenLinear(nn.Module):
+    """x @ b with b (K, N), and F.linear with b^T: the same product, lowered as fp8_scaled_matmul / _linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(48, 32, generator=_seeded(11)) * torch.logspace(-2, 2, 32))
+
+    def forward(self, x):
+        return torch.matmul(x, self.b), nn.functional.linear(x, self.b.t())
+
+
+@pytest.mark.parametrize("scaling", ["current", "rowwise"])
+def test_a_matmuls_operand_is_scaled_as_the_linears_transposed_weight(scaling):
+    # row-wise, a (K, N) operand is scaled per column (fp8_amax(b, 0)): per row of the linear's (N, K) weight.
+    # Its columns span 4 decades here, so scaling it per row of (K, N) instead would change the numbers.
+    model, x = MatmulThenLinear(), torch.randn(2, 8, 48, generator=_seeded(12))
+    gm = amp_compiler.convert(model, "fp8", example_inputs=(x,), fp8_min_dim=16, fp8_scaling=scaling)
+    targets = sorted(getattr(n.target, "__name__", "") for n in gm.graph.nodes if "scaled" in str(n.target))
+    assert targets == ["fp8_scaled_linear", "fp8_scaled_matmul"]
+    grads = []
+    for which in (0, 1):
+        model.b.grad = None
+        leaf = x.clone().requires_grad_()
+        out = gm(leaf)[which]
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+        grads.append((out.detach(), leaf.grad, model.b.grad.clone()))
+    for matmul_value, linear_value in zip(*grads):
+        assert torch.equal(matmul_value, linear_value)
