@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.in_place.conversion import in_place_conversion
-from amp_compiler.passes.fx.fp8_runtime import fp8_amax, fp8_cast, fp8_scale
+from amp_compiler.passes.fx.fp8_runtime import fp8_amax, fp8_cast, fp8_delayed_scale, fp8_scale
 from amp_compiler.passes.fx.freeze_weight_casts import freeze_weight_casts
 from amp_compiler.passes.fx.runtime import amp_cast, amp_frozen_cast, graph_leaf
 
@@ -47,31 +47,41 @@ class _Copy:
     low: torch.Tensor
     packed: torch.Tensor | None = None   # `low` in oneDNN's blocked layout (frozen_linear), made on first use
     scale: torch.Tensor | None = None    # an fp8 copy's: low ~= weight * scale (per tensor, or one per row)
+    history: tuple | None = None         # delayed scaling: (weakref, version) of the amax history the scale read
 
     @staticmethod
-    def of(weight: torch.Tensor, make) -> "_Copy":
+    def of(weight: torch.Tensor, make, history: torch.Tensor | None = None) -> "_Copy":
         """make(weight) -> (low copy, its fp8 scale or None)."""
         with torch.inference_mode(False), torch.no_grad():   # a normal tensor, also made under inference_mode
             low, scale = make(weight.detach())
             sampled = _sampled_view(weight)
             copy = _Copy(weakref.ref(weight), weight._version, (weight.data_ptr(), weight.shape), sampled,
-                         sampled.clone(), low, scale=scale)
+                         sampled.clone(), low, scale=scale,
+                         history=(weakref.ref(history), history._version) if history is not None else None)
         _COPY_OF_LOW[id(low)] = copy
         return copy
 
-    def still_of(self, weight: torch.Tensor) -> bool:
+    def still_of(self, weight: torch.Tensor, history: torch.Tensor | None = None) -> bool:
         """Cheap checks, no device work; the sampled values are compared for all copies at once (check)."""
         return (self.source() is weight and self.version == weight._version
-                and self.storage == (weight.data_ptr(), weight.shape))
+                and self.storage == (weight.data_ptr(), weight.shape)
+                and (history is None or self.history == (weakref.ref(history), history._version)))
 
     def values_unchanged(self) -> bool:
         return torch.equal(self.sampled, self.sample)
 
 
-def fp8_copy(low: torch.Tensor, fp8_dtype: torch.dtype, dim: int | None, margin: int) -> tuple:
+def fp8_copy(low: torch.Tensor, fp8_dtype: torch.dtype, dim: int | None, margin: int,
+             delayed: tuple | None = None) -> tuple:
     """(fp8 copy, scale) of a weight already in the matmul's dtype: the scaling nodes lower_fp8_matmuls writes
-    (fp8_amax -> fp8_scale -> fp8_cast), called as functions, so a frozen copy is bit for bit the unfrozen one."""
-    scale = fp8_scale(fp8_amax(low, dim), fp8_dtype, margin)
+    (fp8_amax -> fp8_scale or fp8_delayed_scale -> fp8_cast), called as functions, so a frozen copy is bit for
+    bit the unfrozen one. delayed: (Fp8History, which, amax_from)."""
+    amax = fp8_amax(low, dim)
+    if delayed is None:
+        scale = fp8_scale(amax, fp8_dtype, margin)
+    else:
+        histories, which, amax_from = delayed
+        scale = fp8_delayed_scale(amax, histories, which, fp8_dtype, margin, amax_from)
     return fp8_cast(low, scale, fp8_dtype), scale
 
 
@@ -142,26 +152,31 @@ class FrozenWeights(nn.Module):
         return self._copy(weight, dtype, lambda w: (w.to(dtype), None)).low
 
     def read_fp8(self, weight: torch.Tensor, dtype: torch.dtype, fp8_dtype: torch.dtype, dim: int | None,
-                 margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 margin: int, delayed: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the weight the fp8 matmul node takes for autograd, its fp8 copy, that copy's scale): the copy and scale
         computed from the weight cast to `dtype` as the graph's own nodes compute them (fp8_copy). A frozen copy
         is all an inference call reads: the matmul node gets the weight itself (no `dtype` copy is kept), which
-        it reads for its shape and, in a backward, its gradient; when the weight is cast each call, the cast."""
-        if self.casts_each_call(weight):
+        it reads for its shape and, in a backward, its gradient; when the weight is cast each call, the cast.
+        `delayed`: (Fp8History, "w", amax_from): the scale is the history's, so the copy is made again when the
+        history changes too; while the history records (training mode) the weight is quantized every call."""
+        if self.casts_each_call(weight) or (delayed is not None and delayed[0].training):
             low = amp_cast(weight, dtype)
-            return (low, *fp8_copy(low, fp8_dtype, dim, margin))
-        copy = self._copy(weight, (dtype, fp8_dtype, dim, margin),
-                          lambda w: fp8_copy(amp_cast(w, dtype), fp8_dtype, dim, margin))
+            return (low, *fp8_copy(low, fp8_dtype, dim, margin, delayed))
+        history = getattr(delayed[0], delayed[1]) if delayed is not None else None
+        recipe = (id(delayed[0]), *delayed[1:]) if delayed is not None else None
+        copy = self._copy(weight, (dtype, fp8_dtype, dim, margin, recipe),
+                          lambda w: fp8_copy(amp_cast(w, dtype), fp8_dtype, dim, margin, delayed), history)
         return weight, copy.low, copy.scale
 
-    def _copy(self, weight: torch.Tensor, kind, make) -> _Copy:
-        """The copy of `weight` of this `kind` (a dtype, or an fp8 recipe), made again when it is not the weight's."""
+    def _copy(self, weight: torch.Tensor, kind, make, history: torch.Tensor | None = None) -> _Copy:
+        """The copy of `weight` of this `kind` (a dtype, or an fp8 recipe), made again when it is not the weight's
+        (or, delayed, when its scale's history changed)."""
         key = (id(weight), kind)
         copy = self._copies.get(key)
-        if copy is None or not copy.still_of(weight):
+        if copy is None or not copy.still_of(weight, history):
             # copies of weights that are gone (a replaced Parameter) go too
             self._copies = {k: c for k, c in self._copies.items() if c.source() is not None}
-            copy = self._copies[key] = _Copy.of(weight, make)
+            copy = self._copies[key] = _Copy.of(weight, make, history)
             self._copies_changed()
             self.copies_made += 1
         return copy

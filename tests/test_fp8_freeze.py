@@ -15,7 +15,7 @@ from amp_compiler.passes.fx.runtime import amp_frozen_cast
 from models import build
 from test_freeze import _mutations
 
-FROZEN_SCALINGS = ("current", "rowwise")   # delayed: the weight's scale is its history's, cast per call
+SCALINGS = ("current", "rowwise", "delayed")
 
 
 class LinearsAndMatmul(nn.Module):
@@ -51,7 +51,7 @@ def _expected_bytes(gm, scaling: str) -> int:
     for node in gm.graph.nodes:
         if node.target is amp_frozen_fp8_weight:
             weight, dim = _weight(gm, node), node.args[3]
-            rows = 1 if scaling == "current" else weight.shape[0 if dim == -1 else 1]
+            rows = weight.shape[0 if dim == -1 else 1] if scaling == "rowwise" else 1
             total += weight.numel() * torch.tensor([], dtype=E4M3).element_size() + 4 * rows
         elif node.target is amp_frozen_cast:
             total += _weight(gm, node).numel() * node.args[1].itemsize
@@ -62,7 +62,7 @@ def _holder(gm):
     return getattr(gm, HOLDER)
 
 
-@pytest.mark.parametrize("scaling", FROZEN_SCALINGS)
+@pytest.mark.parametrize("scaling", SCALINGS)
 def test_frozen_fp8_weights_give_the_unfrozen_output_bit_for_bit_and_are_quantized_once(scaling):
     torch.manual_seed(0)
     model, x = LinearsAndMatmul().eval(), torch.randn(4, 8, 32)
@@ -97,13 +97,24 @@ def test_zoo_gpt_frozen_at_fp8_is_the_unfrozen_output():
     assert amp_compiler.frozen_bytes(frozen) == _expected_bytes(frozen, "current")
 
 
-def test_delayed_scaling_freezes_the_bf16_copy_only():
+def test_delayed_scaling_quantizes_again_when_the_history_changes():
     torch.manual_seed(0)
     model, x = LinearsAndMatmul().eval(), torch.randn(4, 8, 32)
-    frozen, plain = _pair(model, (x,), fp8_scaling="delayed")
-    assert frozen.meta["amp"]["frozen"]["fp8_weights_frozen"] == 0
+    frozen, plain = _pair(model, (x,), fp8_scaling="delayed", fp8_history=4)
     with torch.no_grad():
-        assert torch.equal(frozen(x), plain(x))
+        before = frozen(x)
+        made = _holder(frozen).copies_made
+        frozen.fp8_history.linear.w[1] = 4096 * model.fc1.weight.abs().max()   # eval records nothing: was empty
+        after = frozen(x)
+        assert _holder(frozen).copies_made == made + 1 and not torch.equal(after, before)
+        frozen.load_state_dict({"fp8_history.matmul.w": torch.full((4,), 300.0)}, strict=False)
+        after = frozen(x)
+        assert _holder(frozen).copies_made == made + 2
+        plain.load_state_dict(frozen.state_dict())   # the same histories: the same scales
+        assert torch.equal(after, plain(x))
+    frozen.train()   # histories record: the weight is quantized per call, as unfrozen
+    frozen(x).float().sum().backward()
+    assert _holder(frozen).copies_made == made + 2
 
 
 @pytest.mark.parametrize("mutation", [m.__name__ for m in _mutations(nn.Linear(1, 1))])

@@ -9,7 +9,7 @@ copy is still the weight's: the check compares a sample of every weight's values
 weight's identity, version counter and storage; it casts afresh while training. Runs on a converted graph,
 after the fx pipeline.
 
-At the fp8 level (current or row-wise scaling) a weight's scaling nodes go too: the cache keeps its fp8 copy
+At the fp8 level a weight's scaling nodes go too: the cache keeps its fp8 copy
 and scale (1 byte per weight, not bf16's 2), and the fp8 matmul reads the weight itself for its shape:
 
     w_bf16 = amp_frozen_cast(self.fc.weight, torch.bfloat16, copies)
@@ -18,8 +18,8 @@ and scale (1 byte per weight, not bf16's 2), and the fp8 matmul reads the weight
     linear = fp8_scaled_linear(x, w_bf16, x_fp8, linear_w_fp8, x_scale, linear_w_scale, ...)
         ->   w_frozen = amp_frozen_fp8_weight(self.fc.weight, torch.bfloat16, e4m3, None, 0, copies)
              linear = fp8_scaled_linear(x, w_frozen[0], x_fp8, w_frozen[1], x_scale, w_frozen[2], ...)
-Delayed scaling's weight scale comes from its amax history, not from the weight: its fp8 cast stays per call
-(the bf16 copy is frozen as above).
+Delayed scaling (fp8_delayed_scale) likewise: the node then also reads the Fp8History, and the copy is made again
+when that history changes (it records only in training mode, when the weight is quantized every call anyway).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.fx.fp8_runtime import fp8_amax, fp8_cast, fp8_scale
+from amp_compiler.passes.fx.fp8_runtime import fp8_amax, fp8_cast, fp8_delayed_scale, fp8_scale
 from amp_compiler.passes.fx.runtime import (amp_frozen_cast, amp_frozen_check, amp_frozen_module_call,
                                              amp_module_call, graph_leaf, is_cast, is_float)
 from amp_compiler.passes.policy.numerics import dtype_name
@@ -73,25 +73,43 @@ def freeze_weight_casts(gm: fx.GraphModule, holder: str) -> PassResult:
 
 
 @graph_leaf
-def amp_frozen_fp8_weight(weight, dtype: torch.dtype, fp8_dtype: torch.dtype, dim, margin: int, copies):
+def amp_frozen_fp8_weight(weight, dtype: torch.dtype, fp8_dtype: torch.dtype, dim, margin: int, copies,
+                          histories=None, which: str = "w", amax_from: str = "max"):
     """(weight for the fp8 matmul node, fp8 copy, scale) from `copies` (amp_compiler/frozen.py:
-    FrozenWeights.read_fp8): quantized once, again only when the weight changed; cast per call while training."""
-    return copies.read_fp8(weight, dtype, fp8_dtype, dim, margin)
+    FrozenWeights.read_fp8): quantized once, again only when the weight (or, delayed, its history) changed;
+    quantized per call while training. `histories`: delayed scaling's Fp8History, None for current scaling."""
+    delayed = (histories, which, amax_from) if histories is not None else None
+    return copies.read_fp8(weight, dtype, fp8_dtype, dim, margin, delayed)
+
+
+def _scaling(scale: fx.Node) -> tuple | None:
+    """(amax node, margin, (histories, which, amax_from) or None) of a weight's fp8_scale/fp8_delayed_scale node
+    as lower_fp8_matmuls writes it (all arguments positional); None for anything else."""
+    if not isinstance(scale, fx.Node) or scale.kwargs:
+        return None
+    if scale.target is fp8_scale and len(scale.args) == 3:
+        return scale.args[0], scale.args[2], None
+    if scale.target is fp8_delayed_scale and len(scale.args) == 6:
+        amax, histories, which, _, margin, amax_from = scale.args
+        return amax, margin, (histories, which, amax_from)
+    return None
 
 
 def _freeze_fp8_weight(graph: fx.Graph, cast: fx.Node) -> bool:
-    """Replace one frozen weight's current-scaling nodes (amax -> scale -> cast, module docstring) by one read of
-    its cached fp8 copy; False (unchanged) for anything else: an activation, delayed scaling."""
+    """Replace one frozen weight's scaling nodes (amax -> scale -> cast, module docstring) by one read of its
+    cached fp8 copy; False (unchanged) for anything else (an activation's)."""
     low, scale, fp8_dtype = cast.args
-    amax = scale.args[0] if isinstance(scale, fx.Node) and scale.target is fp8_scale and not scale.kwargs else None
+    scaling = _scaling(scale)
+    amax = scaling[0] if scaling is not None else None
     if (cast.kwargs or not isinstance(low, fx.Node) or low.target is not amp_frozen_cast or amax is None
-            or amax.target is not fp8_amax or amax.kwargs or amax.args[0] is not low):
+            or amax.target is not fp8_amax or amax.kwargs or len(amax.args) != 2 or amax.args[0] is not low):
         return False
     weight, dtype, copies = low.args
-    dim, margin = amax.args[1] if len(amax.args) > 1 else None, scale.args[2] if len(scale.args) > 2 else 0
+    dim, (_, margin, delayed) = amax.args[1], scaling
     matmuls = list(cast.users)
     with graph.inserting_before(cast):
-        frozen = graph.call_function(amp_frozen_fp8_weight, (weight, dtype, fp8_dtype, dim, margin, copies))
+        frozen = graph.call_function(amp_frozen_fp8_weight, (weight, dtype, fp8_dtype, dim, margin, copies,
+                                                             *(delayed or ())))
         items = [graph.call_function(operator.getitem, (frozen, i)) for i in range(3)]
     rule = f"frozen: {weight.target} as {dtype_name(fp8_dtype)} with its scale, quantized once, cached"
     module = cast.meta.get("amp", {}).get("module", "")
