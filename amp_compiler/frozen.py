@@ -17,6 +17,9 @@ call 1.9x autocast's time); a model converted in place compares all its part gra
 call (JoinedValueCheck), not once per graph. In training mode, when autograd needs the weight's gradient
 (grad enabled and requires_grad), and inside torch.compile, the weight is cast on every call as before
 (a compiled frozen graph checking its copies ran 1.26-1.30x slower than the compiled unfrozen one).
+At the fp8 level each fp8 matmul's weight is kept once as float8_e4m3fn with its scale (read_fp8; 1 byte a
+weight, not bf16's 2), made by the graph's own scaling functions so the output is bit for bit the unfrozen one;
+at fp8_scaling="delayed" the copy is made again when the weight's amax history changes too.
 """
 from __future__ import annotations
 
