@@ -193,13 +193,14 @@ def _pad_rows(matrix: torch.Tensor, multiple: int) -> torch.Tensor:
     return padded.view(matrix.dtype)
 
 
-def _weight_gradient(g8: torch.Tensor, g_unscale: torch.Tensor, x8: torch.Tensor, x_unscale: torch.Tensor):
-    """g^T @ x in fp32 from fp8 (M, N) and (M, K) copies, M padded: the GEMM's contraction dim. Unscales: per
-    tensor (0-dim) or per column ((1, N) for g, (1, K) for x)."""
+def _weight_gradient(g8: torch.Tensor, g_unscale: torch.Tensor, x8: torch.Tensor, x_unscale: torch.Tensor,
+                     out_dtype: torch.dtype = torch.float32):
+    """g^T @ x from fp8 (M, N) and (M, K) copies, M padded: the GEMM's contraction dim, accumulated in fp32.
+    Unscales: per tensor (0-dim) or per column ((1, N) for g, (1, K) for x)."""
     g_t = _pad_rows(g8, GEMM_MULTIPLE).t().contiguous()
     scale_a = g_unscale.reshape(-1, 1) if g_unscale.dim() else g_unscale
     return torch._scaled_mm(g_t, _column_major(_pad_rows(x8, GEMM_MULTIPLE)), scale_a, x_unscale,
-                            out_dtype=torch.float32)
+                            out_dtype=out_dtype)
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -242,7 +243,8 @@ class _Fp8Matmul(torch.autograd.Function):
             if wants_w:   # (N, M) @ (M, K): g and x per column (along M)
                 g8, g_unscale = quantize(grad_rows, grad_dtype, margin, dim=0)
                 x8, x_unscale = quantize(x_rows, E4M3, margin, dim=0)
-                grad_w = _weight_gradient(g8, g_unscale, x8, x_unscale).to(w_dtype)
+                # bf16 out: CUDA's row-wise _scaled_mm writes bf16 only (it accumulates in fp32 all the same)
+                grad_w = _weight_gradient(g8, g_unscale, x8, x_unscale, torch.bfloat16).to(w_dtype)
         else:
             rows8, w8, x_unscale, w_unscale = ctx.saved_tensors
             amax = amax_of(grad_rows)
