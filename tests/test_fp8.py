@@ -275,4 +275,3 @@ def test_the_users_model_is_not_changed_and_the_module_saves():
     loaded = torch.load(buffer, weights_only=False)
     assert torch.equal(loaded(*x), out)
     assert sum(getattr(n.target, "__name__", "") == "fp8_scaled_linear" for n in loaded.graph.nodes) == 2
-
