@@ -106,6 +106,7 @@ class _Fp8Rewrite:
         self.model, self.options, self.low = model, options, low
         self.names = UniqueNames(model)
         self.quantized: dict[tuple[ir.Value, ir.Graph], ir.Value] = {}
+        self.stored: dict[tuple, ir.Value] = {}   # one float8 copy per weight and layout, however many readers
         self.zero = None
         self.constants: dict[str, ir.Value] = {}
         self.static = self.computed = self.weights = 0
@@ -178,8 +179,9 @@ class _Fp8Rewrite:
         guess = node("Where", node("GreaterOrEqual", half, ratio, dtype=ir.DataType.BOOL), half, guess)
         guess = node("Where", node("Less", guess, ratio, dtype=ir.DataType.BOOL),
                      node("Mul", guess, c("two", 2.0)), guess)
-        scaled = node("Mul", guess, c(f"margin_{self.options.margin}", 2.0 ** self.options.margin))
-        return node("Cast", scaled, dtype=self.low, to=self.low)
+        if self.options.margin:
+            guess = node("Mul", guess, c(f"margin_{self.options.margin}", 2.0 ** self.options.margin))
+        return node("Cast", guess, dtype=self.low, to=self.low)
 
     def weight(self, value: ir.Value, reader: ir.Node) -> ir.Value | None:
         """DequantizeLinear of a FLOAT8E4M3FN copy of a 2-D initializer (read directly or through a Cast);
@@ -194,6 +196,9 @@ class _Fp8Rewrite:
         if source is None or source.producer() is not None or source.const_value is None or \
                 len(source.const_value.shape) != 2:
             return None
+        key = (source, tuple(map(tuple, perms)), reader.graph)
+        if key in self.stored:
+            return self.stored[key]
         array = np.asarray(source.const_value.numpy(), dtype=np.float32)
         for perm in reversed(perms):   # innermost first
             array = array.transpose(perm)
@@ -204,8 +209,9 @@ class _Fp8Rewrite:
                                    reader.graph)
         self.weights += 1
         dq_scale = self._constant(f"{source.name}_e4m3_scale", scale, ir.DataType(self.low).numpy())
-        return self._node("DequantizeLinear", [stored, dq_scale], reader, self.low, value.shape,
-                          f"{source.name}_dq")
+        self.stored[key] = self._node("DequantizeLinear", [stored, dq_scale], reader, self.low, value.shape,
+                                      f"{source.name}_dq")
+        return self.stored[key]
 
     def lower(self, node: ir.Node, amax: float | None) -> None:
         a, b = node.inputs[0], node.inputs[1]
