@@ -13,13 +13,15 @@ so a matmul that runs fp8 in torch is the one written fp8 in the file. What deci
   - convert_onnx: a MatMul/Gemm painted low stays float16/bfloat16 (its rule says why) when fp8_keep names it
     (node name or torch module path), when its B is not one 2-D matrix of known size, when Gemm transposes A,
     or when size_rule refuses K, N (multiples of 16, min(K, N) >= fp8_min_dim).
-Weights (a 2-D initializer, or a Cast of one) are stored as FLOAT8E4M3FN with one power-of-two scale each,
+Weights (a 2-D initializer, read directly or through Casts and Transposes) are stored as FLOAT8E4M3FN with one power-of-two scale each,
 fp8_runtime.current_scale's at fp8_margin: half the bytes of fp16. Activations get a QuantizeLinear/
 DequantizeLinear pair (TensorRT fuses Q/DQ around a MatMul into an fp8 GEMM): the scale is a static
 initializer when calibration measured the value (convert_onnx's calibration_data: the max |x| over the
-samples, rounded up to a power of two), else explicit nodes compute it on each run (current scaling):
+samples at the node that produced it, rounded up to a power of two; a graph input is not measured), else
+explicit nodes compute it on each run (current scaling; export_onnx takes no calibration data):
     amax = ReduceMax(Abs(x)); sx = 2 ** ceil(log2(amax / 448)) * 2 ** margin   (fp32, exact powers of two)
-sx is the dequantizing scale, 1 / fx's quantizing one. QuantizeLinear to a float8 type saturates by default
+sx is the dequantizing scale, 1 / fx's quantizing one; an inf or NaN amax gives an inf/NaN scale, so the
+product is NaN, as fx's scale 0 makes it. QuantizeLinear to a float8 type saturates by default
 (saturate=1: a value past 448 * sx becomes +-448, not NaN): the same saturating cast as fp8_runtime.py.
 A value read by several lowered matmuls (q, k, v projections) is quantized once. Needs opset >= 19
 (float8 types): fp8_opset raises a model's opset with the version converter.
