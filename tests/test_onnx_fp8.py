@@ -99,7 +99,7 @@ def test_two_matmuls_read_float8_operands_and_the_ragged_one_keeps_float16(expor
     model, x, path, report = exported
     proto = onnx.load(path)
     onnx.checker.check_model(proto, full_check=True)
-    assert {o.domain or "": o.version for o in proto.opset_import}[""] >= 19
+    assert {o.domain or "": o.version for o in proto.opset_import}[""] >= 21   # output_dtype (FP8_OPSET)
     assert len(ops(proto, "QuantizeLinear")) == 2           # the two activations
     dequantized = {n.output[0] for n in ops(proto, "DequantizeLinear")}
     assert len(dequantized) == 4                            # ... and the two weights
@@ -205,6 +205,24 @@ def test_convert_onnx_with_calibration_writes_a_static_scale(tmp_path):
     assert relative(run_onnx(tmp_path / "fp8.onnx", x), model(x).detach().numpy()) < FP8_ERROR
 
 
+def test_export_with_calibration_writes_static_scales(tmp_path):
+    model, x = model_and_input()
+    samples = [(torch.randn(2, 8, 32),) for _ in range(4)]
+    report = amp_compiler.export_onnx(model, (x,), tmp_path / "m.onnx", "fp8", fp8_min_dim=16,
+                                      calibration_data=iter(samples))   # an iterator: read by each compile
+    counts = report.pass_counts["lower_fp8_matmuls"]
+    assert counts["static_scales"] == 2 and counts["computed_scales"] == 0
+    proto = onnx.load(tmp_path / "m.onnx")
+    initializers = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    scales = sorted(float(initializers[q.input[1]]) for q in ops(proto, "QuantizeLinear"))
+    with torch.no_grad():   # x and relu(a(x)) over the samples, in float16 as the fp8 model reads them
+        amaxes = sorted([max(s[0].half().abs().max().item() for s in samples),
+                         max(torch.relu(model.a(s[0])).half().abs().max().item() for s in samples)])
+    for amax, scale in zip(amaxes, scales):
+        assert 448 * scale / 2 < amax <= 448 * scale, (amax, scale)
+    assert relative(run_onnx(tmp_path / "m.onnx", x), model(x).detach().numpy()) < FP8_ERROR
+
+
 def test_fp8_keep_is_honoured_on_both_entry_points(tmp_path):
     model, x = model_and_input()
     report = amp_compiler.export_onnx(model, (x,), tmp_path / "keep.onnx", "fp8", fp8_min_dim=16, fp8_keep=["b"])
@@ -246,14 +264,14 @@ def test_a_weight_two_matmuls_read_is_stored_once_in_float8(tmp_path):
         assert relative(run_onnx(path, x), model(x).detach().numpy()) < FP8_ERROR
 
 
-def test_a_source_below_opset_19_is_raised(tmp_path):
+def test_a_source_below_opset_21_is_raised(tmp_path):
     model, x = model_and_input()
     amp_compiler.export_onnx(model, (x,), tmp_path / "fp32.onnx", "O0")
     old = onnx.version_converter.convert_version(onnx.load(tmp_path / "fp32.onnx"), 17)
     onnx.save(old, tmp_path / "opset17.onnx")
     amp_compiler.convert_onnx(tmp_path / "opset17.onnx", tmp_path / "fp8.onnx", "fp8", fp8_min_dim=16)
     proto = onnx.load(tmp_path / "fp8.onnx")
-    assert {o.domain or "": o.version for o in proto.opset_import}[""] >= 19
+    assert {o.domain or "": o.version for o in proto.opset_import}[""] >= 21   # output_dtype (FP8_OPSET)
     assert len(fp8_weights(proto)) == 2
     assert relative(run_onnx(tmp_path / "fp8.onnx", x), model(x).detach().numpy()) < FP8_ERROR
 

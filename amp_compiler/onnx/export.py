@@ -54,8 +54,10 @@ from amp_compiler.passes.fx.fold_batch_norms import (find_foldable_batch_norms, 
 from amp_compiler.passes.fx import fp8_runtime
 from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place_in_graph
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
-from amp_compiler.passes.onnx.lower_fp8_matmuls import FP8_EXPORT_NAMESPACE, fp8_opset, lower_onnx_fp8_matmuls, onnx_recipe
+from amp_compiler.passes.onnx.lower_fp8_matmuls import (FP8_EXPORT_NAMESPACE, NO_AMAX, fp8_opset, lower_onnx_fp8_matmuls,
+                                                        onnx_recipe)
 from amp_compiler.passes.onnx.spec import is_float_type
+from amp_compiler.passes.painting.calibrate_ranges import check_calibration_data
 from amp_compiler.passes.policy.numerics import FP16_MAX
 from amp_compiler.passes.runner import Pass, Pipeline
 from amp_compiler.passes.onnx.unique_names import unique_onnx_names
@@ -63,7 +65,8 @@ from amp_compiler.passes.node_facts import facts
 
 
 def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.float16, keep_io_types: bool = True,
-                dynamic_shapes=None, progress: bool | None = None, **overrides) -> OnnxConversionReport:
+                dynamic_shapes=None, progress: bool | None = None, calibration_data=None,
+                **overrides) -> OnnxConversionReport:
     """Convert `model` at `level` and write it to `path` as ONNX (weights in `dtype` where ops run in it).
 
     `args` are example inputs (a tuple, or one tensor); `dynamic_shapes` follows torch.export. Keyword
@@ -71,9 +74,13 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
     The export is an inference graph: dropout off, batch norm on running statistics (folded into the
     convolution before it where there is one; `model` itself is never changed).
     progress: a progress bar on stderr (None: only for an export past PROGRESS_AFTER_SECONDS, on a terminal).
+    calibration_data: samples (tuples of the model's inputs) convert() calibrates on, as convert()'s; at the fp8
+    level the activation scales become static (the max |x| each fp8 matmul's input reached on them).
     """
     started = time.perf_counter()
     args = args if isinstance(args, tuple) else (args,)
+    check_calibration_data(calibration_data)
+    calibration_data = list(calibration_data) if calibration_data is not None else None   # read by each compile
     config = onnx_config("export_onnx", level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
     # steps: capture, convert, torch.onnx.export, each export pass, save
     with ConversionProgress(3 + len(EXPORT_PIPELINE.passes) + 1, enabled=progress, desc="export_onnx") as steps:
@@ -89,12 +96,12 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
         captured, prepared = prepare_for_inference(captured, config)
         model = captured.model
         steps.advance("convert")
-        gm = compile_graph(captured, config)
+        gm = compile_graph(captured, config, calibration_data)
         kept, notes = _weights_beyond_fp16(gm) if config.low_dtype == torch.float16 else ((), [])
         if kept:   # the same capture, compiled again with the nodes reading those weights forced fp32
             force = (*_as_tuple(overrides.pop("force_fp32", ())), *kept)
             gm = compile_graph(captured, onnx_config("export_onnx", level, dtype=dtype, keep_io_types=keep_io_types,
-                                                     force_fp32=force, **overrides))
+                                                     force_fp32=force, **overrides), calibration_data)
         gm.eval()
         rows = export_rows(gm, config)
         steps.advance("torch.onnx.export")
@@ -126,36 +133,38 @@ def export_rows(gm: fx.GraphModule, config: AmpConfig | None = None) -> list[dic
             for r in explained.rows]
 
 
-# export_onnx's stand-ins for fp8_linear / fp8_matmul (fp8_runtime.py calls torch._scaled_mm, which torch.onnx
-# cannot write): opaque ops torch.export keeps whole, written by FP8_TRANSLATIONS as a plain MatMul whose
-# metadata names the marker, which lower_fp8_matmuls finds and lowers. Computed in the operands' dtype.
+# export_onnx's stand-ins for the fp8 matmuls (fp8_runtime.py calls torch._scaled_mm, which torch.onnx cannot
+# write): opaque ops torch.export keeps whole, written by FP8_TRANSLATIONS as a plain MatMul whose metadata
+# names the marker, which lower_fp8_matmuls finds and lowers. Computed in the operands' dtype. x_amax: the
+# calibrated max |x| (-1: none), which the metadata's copy of the call carries to lower_fp8_matmuls.
 @torch.library.custom_op(f"{FP8_EXPORT_NAMESPACE}::linear", mutates_args=())
-def _fp8_linear_marker(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _fp8_linear_marker(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       x_amax: float) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight, bias)
 
 
 @_fp8_linear_marker.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, x_amax):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op(f"{FP8_EXPORT_NAMESPACE}::matmul", mutates_args=())
-def _fp8_matmul_marker(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _fp8_matmul_marker(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, x_amax: float) -> torch.Tensor:
     return torch.matmul(a, b) if bias is None else torch.addmm(bias, a, b)
 
 
 @_fp8_matmul_marker.register_fake
-def _(a, b, bias):
+def _(a, b, bias, x_amax):
     return a.new_empty((*a.shape[:-1], b.shape[-1]))
 
 
-def _linear_onnx(x, weight, bias=None):
+def _linear_onnx(x, weight, bias=None, x_amax=-1.0):
     from onnxscript import opset19 as op
     y = op.MatMul(x, op.Transpose(weight, perm=[1, 0]))
     return y if bias is None else op.Add(y, bias)
 
 
-def _matmul_onnx(a, b, bias=None):
+def _matmul_onnx(a, b, bias=None, x_amax=-1.0):
     from onnxscript import opset19 as op
     y = op.MatMul(a, b)
     return y if bias is None else op.Add(y, bias)
@@ -172,9 +181,9 @@ FP8_TRANSLATIONS = {_LINEAR: _linear_onnx, _MATMUL: _matmul_onnx}
 
 
 def mark_fp8_matmuls(gm: fx.GraphModule) -> fx.GraphModule:
-    """Each fp8 matmul of `gm` calls its export marker on its bf16/fp16 operands instead; the scaling nodes
-    that fed it go (lower_fp8_matmuls writes the ONNX scaling, at the config's margin). Node names and facts
-    stay. `gm` is changed in place and returned."""
+    """Each fp8 matmul of `gm` calls its export marker on its bf16/fp16 operands instead, with the calibrated
+    max |x| where convert() measured one; the scaling nodes that fed it go (lower_fp8_matmuls writes the ONNX
+    scaling, at the config's margin). Node names and facts stay. `gm` is changed in place and returned."""
     marked = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in FP8_EXPORT_OPS:
@@ -182,8 +191,10 @@ def mark_fp8_matmuls(gm: fx.GraphModule) -> fx.GraphModule:
         marker, names = FP8_EXPORT_OPS[node.target]
         bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
         bound.apply_defaults()
+        calibrated = facts(node).get("fp8_calibration") or {}
         node.target, node.kwargs = marker, {}
-        node.args = tuple(bound.arguments[name] if name else None for name in names)
+        node.args = (*(bound.arguments[name] if name else None for name in names),
+                     float(calibrated.get("x_amax", NO_AMAX)))
         marked += 1
     if marked:
         gm.graph.eliminate_dead_code()   # the amax / scale / fp8 cast nodes nothing reads now

@@ -1,6 +1,6 @@
 """lower_fp8_matmuls (ONNX): at the fp8 level, the low MatMul/Gemm nodes that qualify read float8 operands.
 
-    y = MatMul(x_f16, W_f16)   ->   x8 = QuantizeLinear(x_f16, sx, zero_e4m3)      sx from the graph (below)
+    y = MatMul(x_f16, W_f16)   ->   x8 = QuantizeLinear(x_f16, sx, output_dtype=FLOAT8E4M3FN)   sx: below
                                     xq = DequantizeLinear(x8, sx)
                                     wq = DequantizeLinear(W8, sw)                  W8: a FLOAT8E4M3FN initializer
                                     y  = MatMul(xq, wq)                            (Gemm: its A and B inputs)
@@ -13,22 +13,25 @@ so a matmul that runs fp8 in torch is the one written fp8 in the file. What deci
   - convert_onnx: a MatMul/Gemm painted low stays float16/bfloat16 (its rule says why) when fp8_keep names it
     (node name or torch module path), when its B is not one 2-D matrix of known size, when Gemm transposes A,
     or when size_rule refuses K, N (multiples of 16, min(K, N) >= fp8_min_dim).
-Weights (a 2-D initializer, read directly or through Casts and Transposes) are stored as FLOAT8E4M3FN with one power-of-two scale each,
-fp8_runtime.current_scale's at fp8_margin: half the bytes of fp16. Activations get a QuantizeLinear/
-DequantizeLinear pair (TensorRT fuses Q/DQ around a MatMul into an fp8 GEMM): the scale is a static
-initializer when calibration measured the value (convert_onnx's calibration_data: the max |x| over the
-samples at the node that produced it, rounded up to a power of two; a graph input is not measured), else
-explicit nodes compute it on each run (current scaling; export_onnx takes no calibration data):
+Weights (a 2-D initializer, read directly or through Casts and Transposes) are stored as FLOAT8E4M3FN with
+one power-of-two scale each, fp8_runtime.current_scale's at fp8_margin: half the bytes of fp16. Activations get a QuantizeLinear/
+DequantizeLinear pair (TensorRT fuses Q/DQ around a MatMul into an fp8 GEMM), whose scale is computed by
+explicit nodes on each run (current scaling):
     amax = ReduceMax(Abs(x)); sx = 2 ** ceil(log2(amax / 448)) * 2 ** margin   (fp32, exact powers of two)
+or, where calibration measured x, a static initializer (the same formula on the measured amax):
+convert_onnx(calibration_data=...) records max |x| over the samples at the node that produced x (a graph
+input is not measured); export_onnx(calibration_data=...) passes convert()'s measure of each fp8 matmul's x
+(facts "fp8_calibration") through its marker op.
 sx is the dequantizing scale, 1 / fx's quantizing one; an inf or NaN amax gives an inf/NaN scale, so the
 product is NaN, as fx's scale 0 makes it. QuantizeLinear to a float8 type saturates by default
 (saturate=1: a value past 448 * sx becomes +-448, not NaN): the same saturating cast as fp8_runtime.py.
-A value read by several lowered matmuls (q, k, v projections) is quantized once. Needs opset >= 19
-(float8 types): fp8_opset raises a model's opset with the version converter.
+A value read by several lowered matmuls (q, k, v projections) is quantized once. Needs opset >= 21
+(FP8_OPSET says why): fp8_opset raises a model's opset with the version converter.
 """
 from __future__ import annotations
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -45,8 +48,15 @@ from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.policy.rules import _matches
 from amp_compiler.passes.runner import PassResult
 
-FP8_OPSET = 19   # FLOAT8E4M3FN, and QuantizeLinear/DequantizeLinear with float8 zero points, since opset 19
+# Float8 types and Q/DQ to them exist since opset 19, where QuantizeLinear's output type is its zero point's;
+# opset 21 names it by an attribute (output_dtype), which this pass uses: onnxruntime 1.31's QDQ propagation
+# (graph optimization level basic and up) copies a QuantizeLinear past the Reshape its MatMulAddFusion inserts
+# without the zero point, so with a static scale a float8 Q became a uint8 one and the output was silently
+# wrong (0.71 relative error on tests/test_onnx_fp8.py's model; with output_dtype it is fp8's 0.06).
+FP8_OPSET = 21
 FP8_EXPORT_NAMESPACE = "amp_compiler_fp8_onnx"   # torch.library namespace of export_onnx's marker ops
+NO_AMAX = -1.0   # a marker's x_amax when convert() calibrated nothing
+_MARKER_CALL = re.compile(r"args = \((.*)\), kwargs = ")
 E4M3_MAX = FP8_MAX[E4M3]   # 448
 SMALLEST_SCALE = 2.0 ** -24   # the smallest fp16 value: a scale in the activation's dtype must not flush to 0
 _FLOAT = ir.DataType.FLOAT
@@ -71,6 +81,17 @@ def onnx_recipe(options: Fp8Options, low: ir.DataType) -> str:
 def is_export_marker(node: ir.Node) -> bool:
     """Written by the exporter for one of export_onnx's fp8 marker ops (a matmul convert() ran in fp8)."""
     return f"torch.ops.{FP8_EXPORT_NAMESPACE}." in node.metadata_props.get("pkg.torch.onnx.fx_node", "")
+
+
+def marker_amax(node: ir.Node) -> float | None:
+    """The calibrated max |x| an export marker carries as its last argument (the exporter's record of the call,
+    "args = (%x, %w, %b, 3.46875), kwargs = {}"); None when it carries NO_AMAX or cannot be read."""
+    match = _MARKER_CALL.search(node.metadata_props.get("pkg.torch.onnx.fx_node", ""))
+    try:
+        amax = float(match.group(1).rsplit(",", 1)[-1]) if match else NO_AMAX
+    except ValueError:
+        return None
+    return amax if amax >= 0 and math.isfinite(amax) else None
 
 
 def _matrix(value: ir.Value | None) -> tuple[int, int] | None:
@@ -102,14 +123,13 @@ def _kept_because(node: ir.Node, options: Fp8Options, low: ir.DataType, matched:
 
 
 class _Fp8Rewrite:
-    """Builds the Q/DQ nodes in one model: one zero point, one quantized copy per activation value."""
+    """Builds the Q/DQ nodes in one model: one quantized copy per activation value, one per weight."""
 
     def __init__(self, model: ir.Model, options: Fp8Options, low: ir.DataType):
         self.model, self.options, self.low = model, options, low
         self.names = UniqueNames(model)
         self.quantized: dict[tuple[ir.Value, ir.Graph], ir.Value] = {}
         self.stored: dict[tuple, ir.Value] = {}   # one float8 copy per weight and layout, however many readers
-        self.zero = None
         self.constants: dict[str, ir.Value] = {}
         self.static = self.computed = self.weights = 0
 
@@ -119,12 +139,6 @@ class _Fp8Rewrite:
         value.type, value.shape = ir.TensorType(value.const_value.dtype), ir.Shape(array.shape)
         graph.register_initializer(value)
         return value
-
-    def _zero_point(self) -> ir.Value:
-        if self.zero is None:   # QuantizeLinear's output type is its zero point's: float8 e4m3, value 0
-            self.zero = self._initializer("fp8_zero_point", np.zeros((), dtype=ml_dtypes.float8_e4m3fn),
-                                          self.model.graph)
-        return self.zero
 
     def _node(self, op: str, inputs, before: ir.Node, dtype: ir.DataType, shape=None, base="fp8", **attrs):
         name = self.names.value(base)
@@ -161,8 +175,8 @@ class _Fp8Rewrite:
             scale = self._computed_scale(value, anchor, base)
             self.computed += 1
         # saturate=1 (the default for a float8 output): values past 448 * scale become +-448, not NaN
-        q = self._node("QuantizeLinear", [value, scale, self._zero_point()], anchor, ir.DataType.FLOAT8E4M3FN,
-                       value.shape, f"{base}_q")
+        q = self._node("QuantizeLinear", [value, scale], anchor, ir.DataType.FLOAT8E4M3FN, value.shape, f"{base}_q",
+                       output_dtype=ir.DataType.FLOAT8E4M3FN.value)
         self.quantized[key] = self._node("DequantizeLinear", [q, scale], anchor, self.low, value.shape, f"{base}_dq")
         return self.quantized[key]
 
@@ -256,7 +270,7 @@ def lower_onnx_fp8_matmuls(model: ir.Model, options: Fp8Options, low: ir.DataTyp
     if options.scaling != "current":   # as the fx pass: never write another recipe than the one asked
         raise NotImplementedError(f"fp8_scaling={options.scaling!r} has no ONNX form; 'current' does")
     if model.opset_imports.get("", 1) < FP8_OPSET:
-        raise ValueError(f"fp8 in ONNX needs opset >= {FP8_OPSET} (float8 types); the model has "
+        raise ValueError(f"fp8 in ONNX needs opset >= {FP8_OPSET} (QuantizeLinear's output_dtype); the model has "
                          f"{model.opset_imports.get('', 1)}: fp8_opset(model) raises it")
     rewrite = _Fp8Rewrite(model, options, low)
     lowered = kept = 0
@@ -279,7 +293,7 @@ def lower_onnx_fp8_matmuls(model: ir.Model, options: Fp8Options, low: ir.DataTyp
         if why is not None:
             kept += 1
             continue
-        rewrite.lower(node, None if exported else _calibrated_amax(node.inputs[0]))
+        rewrite.lower(node, marker_amax(node) if exported else _calibrated_amax(node.inputs[0]))
         lowered += 1
     unmatched = [pattern for pattern in options.keep if pattern not in matched]
     if unmatched and not exported:   # as force_fp32's: a typo must not leave a matmul in fp8 silently
