@@ -230,7 +230,7 @@ def run_onnx_pipeline(model: ir.Model, config: AmpConfig, *, op_block_list=(), n
     if not config.level_spec.paints:
         return {}
     if config.fp8 is not None:
-        fp8_opset(model)   # float8 types: opset 19 (the version converter rewrites what changed before it)
+        fp8_opset(model)   # FP8_OPSET (21): the version converter rewrites what changed before it
     state = OnnxState(model, config, tuple(op_block_list), tuple(node_block_list), calibration_data)
     return announcing(ONNX_PIPELINE, on_pass).run(state)
 

@@ -20,8 +20,8 @@ The precision of every op is the one convert() chose, with what inference change
 - at level "fp8" (float16 around the matmuls by default: ONNX Runtime runs no bfloat16), each matmul convert()
   lowered to fp8 is exported through a marker op (fp8_linear -> FP8_EXPORT_OPS) that torch.onnx writes as a
   plain MatMul tagged with its origin; lower_fp8_matmuls then gives exactly those nodes their float8 operands
-  (passes/onnx/lower_fp8_matmuls.py): FLOAT8E4M3FN weights, Q/DQ activations, opset >= 19. The activation
-  scales are computed in the graph (export_onnx takes no calibration data).
+  (passes/onnx/lower_fp8_matmuls.py): FLOAT8E4M3FN weights, Q/DQ activations, opset >= 21. The activation
+  scales are computed in the graph, or static with calibration_data (convert()'s measure of each matmul's x).
 """
 from __future__ import annotations
 
@@ -273,7 +273,7 @@ def _export(module: nn.Module, args: tuple, dynamic_shapes, fp8: bool = False) -
         program = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes, verbose=False,
                                     custom_translation_table=FP8_TRANSLATIONS if fp8 else None)
     if fp8:
-        fp8_opset(program.model)   # torch's default opset where it is 19 or more (20 in torch 2.13)
+        fp8_opset(program.model)   # torch 2.13 writes opset 20: raised to FP8_OPSET (21) by the version converter
     return program.model
 
 
