@@ -11,7 +11,15 @@ Sections (one row each, alternated runs, medians; "ratio" = ours / the baseline 
           dtype casts one call makes (aten._to_copy), autocast's included
   onnx    ONNX Runtime latency (CUDA provider when usable): fp32 export, export_onnx fp16, convert_onnx fp16
   compile torch.compile (inductor; "eager" backend with --dry-run) of autocast and of ours, inference
-Sections run in that order. A global time budget (--budget-s, default 450 s) skips what is left, saying so,
+  fp8     pre-norm transformer blocks (hidden 4096, MLP 16384, 4096 tokens: GEMMs large enough for fp8 to gain;
+          dry run: hidden 32 with fp8_min_dim=16), bf16 autocast the baseline. "fp8 train": SGD step of bf16
+          autocast, ours bf16 O1, ours bf16 O2 stored weights, ours fp8 current / delayed / rowwise, and torchao's
+          convert_to_float8_training (tensorwise, under bf16 autocast) when torchao imports. "fp8 infer": latency
+          of autocast, ours bf16 O1 frozen, ours fp8 current / rowwise, frozen and not, torchao float8. "fp8
+          compile": the train step and inference of autocast, ours fp8 and torchao float8 under torch.compile,
+          with the other compiles at the end. A GPU below compute capability 8.9 (no fp8 GEMM) gets one
+          "skipped" row per fp8 section saying so
+Sections run in that order (fp8 after infer, before onnx). A global time budget (--budget-s, default 450 s) skips what is left, saying so,
 so the run ends in time; the compiles, slowest to set up, go last.
 """
 from __future__ import annotations
@@ -226,6 +234,133 @@ def _casts_per_call(run, inputs) -> int:
     return counter.casts
 
 
+class TransformerBlock(torch.nn.Module):
+    """Pre-norm block: causal attention (one qkv linear, SDPA, an output projection) and a 4x GELU MLP."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        batch, seq, width = x.shape
+        qkv = self.qkv(self.norm1(x)).view(batch, seq, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        attention = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, seq, width))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+FP8_SCALINGS = ("current", "delayed", "rowwise")
+
+
+def fp8_case(dry_run: bool) -> tuple[Case, dict]:
+    """Transformer blocks whose GEMMs gain from fp8 (4096 tokens x 4096 x 16384), and the fp8 options for them:
+    the default fp8_min_dim (1024) on the GPU; 16 in the dry run, so its 32-wide linears take the fp8 path."""
+    width, heads, layers, batch, seq = (32, 2, 1, 2, 8) if dry_run else (4096, 32, 2, 4, 1024)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(TransformerBlock(width, heads) for _ in range(layers)))
+    case = Case(f"blocks d{width} x{layers}", model, (torch.randn(batch, seq, width),),
+                torch.randn(batch, seq, width), lambda out, target: F.mse_loss(out.float(), target))
+    return case, ({"fp8_min_dim": 16} if dry_run else {})
+
+
+def fp8_unsupported(device: str) -> str | None:
+    """Why this device runs no fp8 GEMM, or None. The CPU runs _scaled_mm (slowly): the dry run checks the code."""
+    if device != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return f"skipped: {torch.cuda.get_device_name()} is sm_{major}{minor}, fp8 GEMMs need 8.9+ (Ada, Hopper)"
+    return None
+
+
+def torchao_float8() -> Callable | None:
+    """torchao's float8 training conversion (tensorwise recipe, nn.Linear swapped in place), if torchao imports."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return None
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    return lambda model: convert_to_float8_training(model, config=config)
+
+
+def _autocast_bf16(module, device: str) -> Callable:
+    def call(*args):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return module(*args)
+    return call
+
+
+def _sgd_step(module, case: Case, device: str, autocast: bool = False, stored_low: bool = False) -> Callable:
+    """One SGD train step of `module` (under bf16 autocast; with its weights stored low by low_weights)."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-4)
+    if stored_low:
+        amp_compiler.low_weights(module, optimizer)
+    forward = _autocast_bf16(module, device) if autocast else module
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        case.loss_fn(forward(*case.inputs), case.target).backward()
+        optimizer.step()
+    return step
+
+
+def fp8_variants(case: Case, fp8_options: dict, settings: Settings, compiled: bool, train: bool) -> dict:
+    """name -> (module, runs under bf16 autocast) of one fp8 section. Ours share the model's weights; O2 and
+    torchao (which swaps modules) get their own copies."""
+    model = case.model.train(train)
+    convert = lambda level, **options: amp_compiler.convert(  # noqa: E731
+        model, level, example_inputs=case.inputs, **options).train(train)
+    fp8 = lambda scaling, **options: convert("fp8", fp8_scaling=scaling, **fp8_options, **options)  # noqa: E731
+    to_float8 = torchao_float8()
+    if compiled:
+        variants = {"autocast bf16": (model, True), "ours fp8 current": (fp8("current", freeze=not train), False)}
+        if to_float8:
+            variants["torchao float8 tensorwise"] = (to_float8(copy.deepcopy(model)), True)
+        torch._dynamo.reset()
+        return {f"{name} + compile": (torch.compile(module, backend=settings.compile_backend), autocast)
+                for name, (module, autocast) in variants.items()}
+    if train:
+        variants = {"autocast bf16": (model, True), "ours bf16 O1": (convert("O1", dtype=torch.bfloat16), False),
+                    "ours bf16 O2 stored weights": (amp_compiler.convert(
+                        copy.deepcopy(model), "O2", dtype=torch.bfloat16, example_inputs=case.inputs).train(), False)}
+        variants.update({f"ours fp8 {scaling}": (fp8(scaling), False) for scaling in FP8_SCALINGS})
+    else:
+        variants = {"autocast bf16": (model, True),
+                    "ours bf16 O1 frozen": (convert("O1", dtype=torch.bfloat16, freeze=True), False)}
+        for scaling in ("current", "rowwise"):
+            variants[f"ours fp8 {scaling}"] = (fp8(scaling), False)
+            variants[f"ours fp8 {scaling} frozen"] = (fp8(scaling, freeze=True), False)
+    if to_float8:
+        variants["torchao float8 tensorwise"] = (to_float8(copy.deepcopy(model)), True)
+    return variants
+
+
+def fp8_rows(case: Case, fp8_options: dict, settings: Settings, compiled: bool = False) -> list[list]:
+    """The fp8 section: train steps (SGD) and inference latency against bf16 autocast (module docstring)."""
+    label = f"fp8 {'compile' if compiled else ''}".strip()
+    unsupported = fp8_unsupported(settings.device)
+    if unsupported:
+        return [[label, case.name, unsupported, "", ""]]
+    device, rows = settings.device, []
+    for train in (True, False):
+        variants = fp8_variants(case, fp8_options, settings, compiled, train)
+        if train:
+            runs = {name: _sgd_step(module, case, device, autocast, stored_low="O2" in name)
+                    for name, (module, autocast) in variants.items()}
+            ms = alternate(runs, settings)
+        else:
+            with torch.no_grad():   # torchao's Float8Linear under inference_mode + autocast: aten.to unsupported
+                ms = alternate({name: (lambda call=_autocast_bf16(module, device) if autocast else module:
+                                       call(*case.inputs)) for name, (module, autocast) in variants.items()}, settings)
+        baseline = next(iter(ms))   # autocast bf16 (+ compile)
+        rows += [[f"{label} {'train' if train else 'infer'}", case.name, name, f"{ms[name]:.3f}",
+                  f"{ms[name] / ms[baseline]:.2f} of {baseline}" if name != baseline else ""] for name in ms]
+    return rows
+
+
 def onnx_rows(case: Case, settings: Settings) -> list[list]:
     from amp_compiler.onnx.export import export_fp32_reference
     from amp_compiler.onnx.sessions import execution_providers, make_session
@@ -269,7 +404,7 @@ def main(argv=None) -> list[list]:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=450.0)
     parser.add_argument("--infer-dtype", default="float16", choices=("float16", "bfloat16"))
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: train,infer,onnx,compile")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: train,infer,fp8,onnx,compile")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     if not args.dry_run and not torch.cuda.is_available():
@@ -293,11 +428,15 @@ def main(argv=None) -> list[list]:
                                                      and case.name == "resnet18")]
     if "infer" not in skip:
         jobs += [("infer", case, infer_dtype) for case in cases]
+    blocks, fp8_options = fp8_case(args.dry_run)
+    if "fp8" not in skip:
+        jobs += [("fp8", blocks, torch.bfloat16)]
     if "onnx" not in skip:
         jobs += [("onnx", case, torch.float16) for case in zoo if case.name in ("mlp", "resnet", "bert")]
         jobs += [("onnx", case, torch.float16) for case in real if case.name == "resnet18" and not args.dry_run]
     if "compile" not in skip:
         jobs += [("compile", case, infer_dtype) for case in cases if case.name != "vit_b_16"]
+        jobs += [("fp8 compile", blocks, torch.bfloat16)] if "fp8" not in skip else []
     rows: list[list] = []
     for section, case, dtype in jobs:
         if settings.out_of_time():
@@ -308,7 +447,9 @@ def main(argv=None) -> list[list]:
                 rows += onnx_rows(case, settings)
             else:
                 moved = to_device(case, settings.device)
-                if section == "train":
+                if section.startswith("fp8"):
+                    rows += fp8_rows(moved, fp8_options, settings, compiled=section == "fp8 compile")
+                elif section == "train":
                     rows += train_rows(moved, dtype, settings)
                 else:
                     rows += infer_rows(moved, dtype, settings, compiled=section == "compile")

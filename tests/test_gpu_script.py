@@ -3,6 +3,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import amp_compiler
+
 GPU_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 
 
@@ -27,6 +29,15 @@ def test_the_gpu_script_dry_run_fills_every_section(capsys):
     assert floor and all("of autocast" in row[4] for row in floor)
     casts = [row for row in rows if row[0].startswith("infer") and row[2] in ("ours", "autocast")]
     assert casts and all(isinstance(row[5], int) and row[5] > 0 for row in casts)
+    assert {"fp8 train", "fp8 infer", "fp8 compile train", "fp8 compile infer"} <= sections
+    fp8 = [row for row in rows if row[0].startswith("fp8")]
+    assert {"ours bf16 O2 stored weights", "ours fp8 current", "ours fp8 delayed", "ours fp8 rowwise",
+            "ours fp8 current frozen", "ours fp8 rowwise frozen", "ours fp8 current + compile"} <= {row[2] for row in fp8}
+    assert all("of autocast bf16" in row[4] for row in fp8 if not row[2].startswith("autocast"))
+    # the dry run's tiny blocks take the fp8 path (fp8_min_dim=16): every linear, not the bf16 one left as it was
+    case, options = gpu.fp8_case(dry_run=True)
+    counts = amp_compiler.convert(case.model, "fp8", example_inputs=case.inputs, **options).meta["amp"]["pass_counts"]
+    assert counts["lower_fp8_matmuls"] == {"fp8": 4 * len(case.model), "kept": 0}, counts
 
 
 def test_the_profile_script_dry_run_lists_both_sides_and_their_difference(capsys):
