@@ -31,7 +31,7 @@ NodeFacts = TypedDict("NodeFacts", {
                               # "low" | "fp32" | None (not painted: ints, shapes, io)
     "rule": str,              # mark_unchanged (fx), decide_precision, plan_opaque_calls (fx), lower_leaf_modules (fx),
                               # insert_casts (fx), cast_after_layout_ops (fx), promote_in_kernel (fx),
-                              # fused_attention_masks (fx), lower_fp8_matmuls (fx), store_moved_weights_low (onnx):
+                              # fused_attention_masks (fx), lower_fp8_matmuls, store_moved_weights_low (onnx):
                               # why the node has its precision
     "forced": str,            # decide_precision (onnx): which user rule forced the node
     "fp32_weights": bool,     # decide_precision (fx): a low op that keeps fp32 weights (mixed-kernel norms)
