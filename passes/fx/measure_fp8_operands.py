@@ -7,8 +7,9 @@
 
 An analysis: it runs the graph on the samples (fx.Interpreter, eval mode, no grad) and changes nothing. It runs
 after every bf16 decision and before lower_fp8_matmuls, so each decided-low linear/matmul/mm is measured on the
-bf16 operands the fp8 rewrite would quantize (x: the activation, w: the weight in the call's own layout, 2-D;
-a batched second operand is not measured: it is not lowered). Per operand:
+bf16 operands the fp8 rewrite would quantize: every call form lower_fp8_matmuls reads operands from (its
+_operands: linear, matmul, mm, addmm); x: the activation, w: the weight in the call's own layout, 2-D (a batched
+second operand is not measured: it is not lowered). Per operand:
   *_amax           the largest finite |value| over all samples (delayed scaling starts its history from it)
   *_error          the e4m3 round trip's relative error ||dequant(quant(v)) - v|| / ||v|| of each row, root mean
                    square over the rows, with one power-of-two scale for the tensor (fp8_runtime.current_scale at
@@ -67,7 +68,7 @@ def operand_figures(x: torch.Tensor, w: torch.Tensor, margin: int, as_linear: bo
 
 
 def measure_fp8_operands(gm: fx.GraphModule, samples: Iterable, margin: int) -> PassResult:
-    """facts(node)["fp8_calibration"] on every decided-low linear/matmul/mm node with a 2-D second operand.
+    """facts(node)["fp8_calibration"] on every decided-low linear/matmul/mm/addmm node with a 2-D second operand.
     Counts: samples, measured (nodes given figures)."""
     check_calibration_data(samples)
     matmuls = {}
