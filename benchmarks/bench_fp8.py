@@ -65,15 +65,7 @@ def final_training_loss(name: str, size: str, level: str, options: dict, steps: 
     task = build(name, size=size, seed=SEED)
     torch.manual_seed(SEED)   # the dropout stream: the same for every recipe
     gm = amp_compiler.convert(task.model, level, example_inputs=task.example_inputs, **options).train()
-    optimizer = torch.optim.Adam(gm.parameters(), lr=LEARNING_RATE)
-    losses = []
-    for step in range(steps):
-        inputs, target = task.make_batch(step)
-        loss = task.loss_fn(gm(*inputs).float(), target)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = task.train_losses(gm, steps, LEARNING_RATE)
     return sum(losses[-10:]) / len(losses[-10:])
 
 

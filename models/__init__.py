@@ -29,6 +29,20 @@ class ZooTask:
     make_batch: Callable[[int], tuple[tuple, torch.Tensor]]  # make_batch(step) -> (inputs, target)
     num_classes: int | None = None
 
+    def train_losses(self, module: torch.nn.Module, steps: int, lr: float) -> list[float]:
+        """The loss of each of `steps` Adam steps of `module` (this task's model, converted or not) on
+        make_batch(0..steps-1); the loss is taken in fp32, as a user's loop under AMP takes it."""
+        optimizer = torch.optim.Adam(module.parameters(), lr=lr)
+        losses = []
+        for step in range(steps):
+            inputs, target = self.make_batch(step)
+            loss = self.loss_fn(module(*inputs).float(), target)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses
+
 
 def batch_generator(seed: int, step: int) -> torch.Generator:
     """CPU generator whose stream depends only on ``(seed, step)``."""

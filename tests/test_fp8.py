@@ -232,15 +232,7 @@ def _train(name: str, level: str, **options) -> tuple[list[float], dict]:
     task = build(name, size="small")
     torch.manual_seed(0)
     gm = amp_compiler.convert(task.model, level, example_inputs=task.example_inputs, **options)
-    optimizer = torch.optim.Adam(gm.parameters(), lr=1e-2)
-    losses = []
-    for step in range(TRAIN_STEPS):
-        inputs, target = task.make_batch(step)
-        loss = task.loss_fn(gm(*inputs).float(), target)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = task.train_losses(gm, TRAIN_STEPS, lr=1e-2)
     return losses, gm.meta["amp"]["pass_counts"]
 
 

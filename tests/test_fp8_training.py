@@ -43,19 +43,12 @@ def train(name: str, level: str, options: tuple) -> tuple[tuple[float, ...], dic
     task = build(name, size="small", seed=SEED)
     torch.manual_seed(SEED)
     gm = amp_compiler.convert(task.model, level, example_inputs=task.example_inputs, **dict(options))
-    optimizer = torch.optim.Adam(gm.parameters(), lr=LEARNING_RATE)
-    losses, threads = [], torch.get_num_threads()
+    threads = torch.get_num_threads()
     # One thread: 32-wide matmuls gain nothing from two, and two threads on a loaded machine wait on each other
     # (measured: 70-140 s per test instead of 3-10 s at a load of 6 on 2 cores)
     torch.set_num_threads(1)
     try:
-        for step in range(STEPS):
-            inputs, target = task.make_batch(step)
-            loss = task.loss_fn(gm(*inputs).float(), target)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses = task.train_losses(gm, STEPS, LEARNING_RATE)
     finally:
         torch.set_num_threads(threads)
     return tuple(losses), gm.meta["amp"]["pass_counts"].get("lower_fp8_matmuls", {})
