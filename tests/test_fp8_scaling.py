@@ -258,6 +258,31 @@ def test_a_validation_pass_in_eval_mode_leaves_the_histories():
     assert gm.fp8_history.linear.x[0].item() == (x * 100).bfloat16().abs().max().item()
 
 
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_neither_records_twice_nor_changes_the_gradients(use_reentrant):
+    """torch.utils.checkpoint re-runs the forward inside the backward: that run must not record the amaxes again
+    (the window would hold each call twice) and must take the first run's scale (with the call's amax already
+    recorded, a history's max differs: weight gradients were 0.35-0.66 relative apart for inputs growing 4x)."""
+    histories, grads = {}, {}
+    for checkpointed in (False, True):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+        gm = amp_compiler.convert(model, "fp8", example_inputs=(torch.randn(4, 32),), fp8_min_dim=16,
+                                  fp8_scaling="delayed", fp8_history=8).train()
+        for step in range(3):
+            x = (torch.randn(16, 32, generator=_seeded(20 + step)) * 4 ** step).requires_grad_()   # reentrant: needed
+            model.zero_grad()
+            y = torch.utils.checkpoint.checkpoint(gm, x, use_reentrant=use_reentrant) if checkpointed else gm(x)
+            y.float().square().sum().backward()
+        histories[checkpointed] = {k: v.clone() for k, v in gm.state_dict().items() if "fp8_history" in k}
+        grads[checkpointed] = [p.grad.clone() for p in model.parameters()]
+    assert histories[True]["fp8_history.linear.x"][:4].tolist() == \
+        [(torch.randn(16, 32, generator=_seeded(20 + step)) * 4 ** step).bfloat16().abs().max().item()
+         for step in (2, 1, 0)] + [0.0]
+    assert all(torch.equal(histories[True][k], v) for k, v in histories[False].items())
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+
 def test_build_train_network_records_histories_through_the_joint_graph():
     torch.manual_seed(8)
     model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 16))

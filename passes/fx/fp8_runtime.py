@@ -34,7 +34,10 @@ Where amax comes from, by recipe (fp8_scaling):
             overflow must not poison `fp8_history` calls) and the call gets scale 0 as above. Histories
             record only while the Fp8History module is in training mode (gm.train(); TrainStep follows the
             model's flag): an eval()/validation pass reads them and does not change training's next scales.
-            The gradient's history records in backward when its forward ran in training mode.
+            The gradient's history records in backward when its forward ran in training mode. A forward
+            re-run inside a backward (activation checkpointing's recomputation) records nothing and takes the
+            scale the first run took for the same amax (Fp8History.issued), so checkpointing changes neither the
+            histories nor the gradients.
   rowwise   torchao's "rowwise": x one scale per row (M, 1), w per row of the (N, K) weight, so _scaled_mm
             takes scale_a (M, 1) and scale_b (1, N). The backward requantizes the saved high-precision
             operands along its own contraction: dx = g @ w with g per row and w per column of K; dw = g^T @ x
@@ -117,6 +120,11 @@ class Fp8History(nn.Module):
             history[0] = start   # calibration's amax: the first calls scale from it
             self.register_buffer(name, history)
 
+    def issued(self, which: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (amax, scale) pairs recent training-mode calls took for operand `which`: a recomputation replays
+        them. Not state (a module pickled before it existed has none yet)."""
+        return self.__dict__.setdefault("_issued", {"x": [], "w": []})[which]
+
     def extra_repr(self) -> str:
         return f"length={self.x.numel()}"
 
@@ -165,7 +173,34 @@ def fp8_delayed_scale(amax: torch.Tensor, histories: Fp8History, which: str, fp8
                       margin: int = 0, amax_from: str = "max") -> torch.Tensor:
     """The delayed scale of operand `which` ("x" or "w") from its history in `histories`, taken before this
     call's amax is recorded (recorded only in training mode); this call's own amax while the history is empty."""
-    return _delayed(amax, getattr(histories, which), fp8_dtype, margin, amax_from, histories.training)
+    history = getattr(histories, which)
+    if not histories.training:
+        return _delayed(amax, history, fp8_dtype, margin, amax_from, record=False)
+    issued = histories.issued(which)
+    if _recomputing():   # checkpointing re-runs this call: no second record, the first run's scale
+        return _replayed(amax, issued, _delayed(amax, history, fp8_dtype, margin, amax_from, record=False))
+    scale = _delayed(amax, history, fp8_dtype, margin, amax_from, record=True)
+    issued.append((amax.detach().float(), scale))
+    del issued[:-history.numel()]   # as many as the history holds
+    return scale
+
+
+def _recomputing() -> bool:
+    """True while a forward runs inside a backward: torch.utils.checkpoint recomputing it. (Under
+    torch.compile the joint graph recomputes without re-running these calls.)"""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def _replayed(amax: torch.Tensor, issued: list, fallback: torch.Tensor) -> torch.Tensor:
+    """The scale of the latest issued call whose amax equals `amax` (a recomputation sees the same values), else
+    `fallback`; chosen on the device, without a sync."""
+    issued = [(a, s) for a, s in issued if a.device == amax.device]
+    if not issued:
+        return fallback
+    amaxes, scales = torch.stack([a for a, _ in issued]), torch.stack([s for _, s in issued])
+    matches = amaxes == amax.float()
+    latest = (matches * torch.arange(1, len(issued) + 1, device=amax.device)).argmax()
+    return torch.where(matches.any(), scales[latest], fallback)
 
 
 @graph_leaf
