@@ -259,6 +259,25 @@ def test_a_validation_pass_in_eval_mode_leaves_the_histories():
 
 
 
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_graph_captured_in_eval_mode_does_not_record(inplace):
+    """The histories are added after the graph module took the model's flag: they must take it too. In place,
+    model.eval() captures its own graph (and history): its calls recorded every validation batch's amax and the
+    next eval call scaled from the largest of them (500 -> a 2**-1 scale for inputs of amax 77)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32)).eval()
+    converted = amp_compiler.convert(model, "fp8", fp8_min_dim=16, fp8_scaling="delayed", inplace=inplace,
+                                     **({} if inplace else {"example_inputs": (torch.randn(4, 32),)}))
+    x = torch.ones(4, 32)
+    x[0, 0] = 500.0
+    with torch.no_grad():
+        converted(x)
+    gms = [g.gm for part in model._amp_in_place.parts.values() for graphs in part.graphs.values() for g in graphs] \
+        if inplace else [converted]
+    assert [gm.training for gm in gms] == [False]
+    assert not gms[0].fp8_history.linear.training and not gms[0].fp8_history.linear.x.any()
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpointing_neither_records_twice_nor_changes_the_gradients(use_reentrant):
     """torch.utils.checkpoint re-runs the forward inside the backward: that run must not record the amaxes again

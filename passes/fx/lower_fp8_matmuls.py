@@ -150,8 +150,8 @@ def _add_history(gm: fx.GraphModule, node: fx.Node, options: Fp8Options) -> fx.N
              if isinstance(amax := calibration.get(name), (int, float)) and 0 < amax < float("inf")}
     device = next((p.device for p in gm.parameters()), None)
     target = f"{HISTORY_ROOT}.{node.name}"
-    gm.add_submodule(target, Fp8History(options.history, start.get("x_amax", 0.0), start.get("w_amax", 0.0),
-                                        device=device))
+    history = Fp8History(options.history, start.get("x_amax", 0.0), start.get("w_amax", 0.0), device=device)
+    gm.add_submodule(target, history.train(gm.training))   # added after the graph took its flag: recording follows it
     return gm.graph.get_attr(target)
 
 
