@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from amp_compiler.passes.fx.fp8_runtime import (E4M3, E5M2, FP8_MAX, Fp8History, fp8_amax, fp8_cast,
+from amp_compiler.passes.fx.fp8_runtime import (E4M3, E5M2, FP8_MAX, HISTORIES, Fp8History, fp8_amax, fp8_cast,
                                                 fp8_delayed_scale, fp8_scale, fp8_scaled_linear, fp8_scaled_matmul)
 from amp_compiler.passes.fx.runtime import amp_module_call, is_cast
 from amp_compiler.passes.node_facts import facts
@@ -52,6 +52,7 @@ LINEAR_TARGETS = (F.linear, torch._C._nn.linear)
 MATMUL_TARGETS = (torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, operator.matmul, "matmul", "mm")
 ADDMM_TARGETS = (torch.addmm, torch.Tensor.addmm, "addmm")
 HISTORY_ROOT = "fp8_history"   # gm.fp8_history.<matmul node>: its Fp8History (delayed scaling)
+DDP_IGNORED = "_ddp_params_and_buffers_to_ignore"   # names DistributedDataParallel neither broadcasts nor reduces
 
 
 def _operands(node: fx.Node) -> tuple | None:
@@ -152,6 +153,10 @@ def _add_history(gm: fx.GraphModule, node: fx.Node, options: Fp8Options) -> fx.N
     target = f"{HISTORY_ROOT}.{node.name}"
     history = Fp8History(options.history, start.get("x_amax", 0.0), start.get("w_amax", 0.0), device=device)
     gm.add_submodule(target, history.train(gm.training))   # added after the graph took its flag: recording follows it
+    # DistributedDataParallel broadcasts rank 0's buffers before each forward: every rank would scale from rank 0's
+    # amaxes (saturating where its own are larger). Each rank keeps its own history (its own data's amax).
+    ignored = getattr(gm, DDP_IGNORED, [])
+    setattr(gm, DDP_IGNORED, [*ignored, *(f"{target}.{name}" for name in HISTORIES)])
     return gm.graph.get_attr(target)
 
 
