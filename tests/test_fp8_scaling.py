@@ -67,10 +67,10 @@ def test_cast_node_saturates_and_an_overflow_stays_nan(fp8_dtype):
 def reference_delayed(history: list[float], amax: float, amax_from: str, margin: int):
     """(scale, history after the call) of one training-mode call: the scale from the history before this call
     (its max or newest entry; this call's amax while nothing is recorded), this call's amax rolled in front
-    unless it is inf/NaN, which gets scale 0 and is not recorded."""
+    unless it is inf/NaN, which gets scale 0 and is not recorded, or 0 (nothing to record)."""
     past = max(history) if amax_from == "max" else history[0]
     scale = reference_scale(past if past > 0 else amax, E4M3, margin) if math.isfinite(amax) else 0.0
-    return scale, ([amax] + history[:-1] if math.isfinite(amax) else history)
+    return scale, ([amax] + history[:-1] if math.isfinite(amax) and amax > 0 else history)
 
 
 @pytest.mark.parametrize("amax_from", ["max", "most_recent"])
@@ -78,7 +78,7 @@ def reference_delayed(history: list[float], amax: float, amax_from: str, margin:
 def test_delayed_scale_rolls_its_history(amax_from, margin):
     histories = Fp8History(3).train()
     expected_history = [0.0, 0.0, 0.0]
-    amaxes = torch.tensor([5.0, 0.3, 900.0, math.nan, 2.0, math.inf, 0.01, 0.02, 0.03, 7.0]).tolist()   # fp32 values
+    amaxes = torch.tensor([5.0, 0.3, 900.0, math.nan, 2.0, math.inf, 0.01, 0.02, 0.03, 7.0, 0.0]).tolist()   # fp32
     scales = []
     for amax in amaxes:
         scale = fp8_delayed_scale(torch.tensor(amax), histories, "x", E4M3, margin, amax_from)
@@ -93,6 +93,7 @@ def test_delayed_scale_rolls_its_history(amax_from, margin):
     assert scales[2] != reference_scale(900.0, E4M3, margin)   # 900 arrives after its own scale was taken
     assert scales[4] == reference_scale(900.0, E4M3, margin)   # the NaN was not recorded: 900 is the newest
     assert scales[3] == 0.0 and scales[5] == 0.0
+    assert histories.x.tolist() == amaxes[-2:-5:-1]   # an empty batch (amax 0) pushed no entry out (7, .03, .02)
 
 
 def test_delayed_scale_saturates_a_tensor_past_its_history():

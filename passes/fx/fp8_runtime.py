@@ -137,11 +137,12 @@ def delayed_amax(history: torch.Tensor, amax: torch.Tensor, amax_from: str) -> t
 
 
 def record_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
-    """Roll this call's amax into `history` (newest first) in place; a non-finite amax is not recorded."""
+    """Roll this call's amax into `history` (newest first) in place; a non-finite or zero amax (an empty batch:
+    an expert no token reached) is not recorded: it would push a real entry out."""
     with torch.no_grad():
         amax = amax.float().reshape(1)
         rolled = torch.cat([amax, history[:-1]])
-        history.copy_(torch.where(torch.isfinite(amax), rolled, history))
+        history.copy_(torch.where(torch.isfinite(amax) & (amax > 0), rolled, history))
 
 
 def _delayed(amax: torch.Tensor, history: torch.Tensor, fp8_dtype: torch.dtype, margin: int, amax_from: str,
