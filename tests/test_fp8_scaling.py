@@ -357,6 +357,17 @@ def test_addmm_is_lowered_as_a_matmul_with_its_bias():
     assert 2 * BF16_ROUNDING < error < 0.06, error
 
 
+
+def test_addmm_with_beta_or_alpha_stays_bf16_and_explain_says_why():
+    class Scaled(AddMM):
+        def forward(self, x):
+            return torch.addmm(self.bias, x, self.weight, beta=0.5)
+
+    gm = amp_compiler.convert(Scaled(), "fp8", example_inputs=(torch.randn(8, 32),), fp8_min_dim=16)
+    node = next(n for n in gm.graph.nodes if n.name == "addmm")
+    assert facts(node)["rule"].endswith("fp8: kept bfloat16: addmm with beta=0.5: only beta = alpha = 1 is lowered "
+                                        "to fp8")
+
 def test_phase_one_graphs_still_run_and_load():
     model, x = nn.Sequential(nn.Linear(32, 32)), torch.randn(4, 32)
     gm = amp_compiler.convert(model, "fp8", example_inputs=(x,), fp8_min_dim=16)

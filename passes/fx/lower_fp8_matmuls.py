@@ -123,6 +123,9 @@ def _kept_because(gm: fx.GraphModule, node: fx.Node, options: Fp8Options, low: t
     operands = _operands(node)
     if operands is None:
         module_call = node.op == "call_module" or node.target is amp_module_call   # a leaf kept whole (hooks)
+        if node.target in ADDMM_TARGETS and {"beta", "alpha"} & set(node.kwargs):
+            scaled = ", ".join(f"{name}={node.kwargs[name]!r}" for name in ("beta", "alpha") if name in node.kwargs)
+            return f"addmm with {scaled}: only beta = alpha = 1 is lowered to fp8"
         how = "a module call (its hooks run)" if module_call else f"{amp.get('op')} in this call form"
         return f"{how}: only linear, matmul, mm and addmm called as functions are lowered to fp8"
     x, w, _, as_linear = operands
