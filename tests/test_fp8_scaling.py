@@ -295,13 +295,23 @@ def test_activation_checkpointing_neither_records_twice_nor_changes_the_gradient
             model.zero_grad()
             y = torch.utils.checkpoint.checkpoint(gm, x, use_reentrant=use_reentrant) if checkpointed else gm(x)
             y.float().square().sum().backward()
+        losses = []   # then 10 micro-batches (more than the history holds) accumulated before one backward
+        for micro in range(10):
+            x = (torch.randn(8, 32, generator=_seeded(30 + micro)) * 2.0 ** -micro).requires_grad_()
+            y = torch.utils.checkpoint.checkpoint(gm, x, use_reentrant=use_reentrant) if checkpointed else gm(x)
+            losses.append(y.float().square().sum())
+        if checkpointed:
+            assert gm.fp8_history.linear.x[:3].tolist() == \
+                [(torch.randn(8, 32, generator=_seeded(30 + micro)) * 2.0 ** -micro).bfloat16().abs().max().item()
+                 for micro in (9, 8, 7)]
+        sum(losses).backward()
         histories[checkpointed] = {k: v.clone() for k, v in gm.state_dict().items() if "fp8_history" in k}
         grads[checkpointed] = [p.grad.clone() for p in model.parameters()]
-    assert histories[True]["fp8_history.linear.x"][:4].tolist() == \
-        [(torch.randn(16, 32, generator=_seeded(20 + step)) * 4 ** step).bfloat16().abs().max().item()
-         for step in (2, 1, 0)] + [0.0]
     assert all(torch.equal(histories[True][k], v) for k, v in histories[False].items())
-    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    # reentrant: each micro-batch's backward adds to .grad on its own (fp32 summation order: 4e-8 measured)
+    assert all(torch.equal(a, b) if not use_reentrant else (a - b).norm() <= 1e-6 * b.norm()
+               for a, b in zip(grads[True], grads[False]))
+
 
 def test_build_train_network_records_histories_through_the_joint_graph():
     torch.manual_seed(8)

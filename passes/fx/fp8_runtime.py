@@ -68,6 +68,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: float(torch.finfo(E4M3).max), E5M2: float(torch.finfo(E5M2).max)}   # 448, 57344
 AMAX_FLOOR = 1e-12   # an all-zero tensor gets a finite scale (2**48 at e4m3), not inf
 HISTORIES = ("x", "w", "grad")
+ISSUED_KEPT = 256   # scales a checkpointed recomputation can replay: micro-batches accumulated before a backward
 
 
 def current_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
@@ -182,7 +183,7 @@ def fp8_delayed_scale(amax: torch.Tensor, histories: Fp8History, which: str, fp8
         return _replayed(amax, issued, _delayed(amax, history, fp8_dtype, margin, amax_from, record=False))
     scale = _delayed(amax, history, fp8_dtype, margin, amax_from, record=True)
     issued.append((amax.detach().float(), scale))
-    del issued[:-history.numel()]   # as many as the history holds
+    del issued[:-ISSUED_KEPT]
     return scale
 
 
