@@ -10,11 +10,15 @@ The fp32 reference of every node comes from replaying the converted graph with i
 (and opaque bodies as written, without autocast): the same nodes compute in fp32, so each node's value
 is matched with its own fp32 value, node by node. The model itself runs too, to check that the replay
 computes what the model computes (a note says when it does not). Both run in eval mode, without grad.
+At the fp8 level the replay runs each fp8 matmul in fp32 on its high-precision operands and takes each fp8 copy
+as its exact scaled value (FP8_REPLAY), and the default tolerance is FP8_RTOL where float8 matmuls run
+(default_rtol; the report's first line says which default applied and why).
 validate_onnx(..., compare_intermediates=True) returns the same ComparisonReport for an ONNX file (its
 NodeErrors name ONNX nodes and their output values; tensor_error and worst_chain are shared).
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -24,12 +28,29 @@ from torch import nn
 
 from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.insight.graph_decisions import graph_summary, is_cast, module_of
+from amp_compiler.passes.fx import fp8_runtime as fp8
+from amp_compiler.passes.fx.freeze_weight_casts import amp_frozen_fp8_weight
 from amp_compiler.passes.fx.runtime import amp_frozen_cast, amp_frozen_module_call, amp_module_call
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.policy.numerics import dtype_name
 
-MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23}
+MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23, "float8_e4m3fn": 3, "float8_e5m2": 2}
 DEFAULT_RTOL = {"float16": 1e-2, "bfloat16": 5e-2}
+# With float8 matmuls (compare(): level "fp8" with matmuls lowered; validate_onnx: float8 weights or Q to float8).
+# e4m3 keeps 3 mantissa bits: a cast rounds by up to 1/16 of its value. Worst errors of correct models against
+# fp32 measured (zoo, size small, fp8_min_dim=16, seeds 0-9 (mlp 0-29); gpt/bert full, seed 0):
+#   compare(), recipes current / margin 2 / delayed (3 training calls first) / rowwise, frozen or not:
+#     outputs 0.096 (mlp seed 4; gpt 0.058, bert 0.053, gcn 0.051, gat 0.032), any node 0.105 (a row-wise cast);
+#   validate_onnx, export_onnx (computed or calibrated scales) and convert_onnx files, seeds 0-4 and full:
+#     outputs 0.101 (mlp seed 4; bert full 0.072, gpt 0.055, gat 0.047, gcn 0.029), any value 0.101.
+# The recipes hardly differ: a power-of-two scale moves exponents, not the rounding. 0.15 is 1.4x the worst.
+# Broken on purpose, seed 0: every scale 2x (each operand's top binade saturates) puts outputs 0.26-0.57 off on
+# mlp/gpt/bert but 0.14 / 0.15 on gcn / gat (gcn's passes); one matmul unscaled 2x wrong: 0.50-0.63 at the
+# outputs of mlp/gcn/gat, 0.05 on gpt/bert (the query projection: softmax's input, its own node 0.5 off).
+FP8_RTOL = 0.15
+FP8_MATMULS = (fp8.fp8_scaled_linear, fp8.fp8_scaled_matmul, fp8.fp8_linear, fp8.fp8_matmul)
+FP8_SCALES = (fp8.fp8_scale, fp8.fp8_delayed_scale)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)   # an fp8 copy's ulp is its own, not the low dtype's
 SHOWN_WORST = 8
 SHOWN_CHAIN = 10     # a longer chain prints its first 2 and last 5 nodes (chain holds them all)
 
@@ -75,6 +96,7 @@ class ComparisonReport:
     chain: list[NodeError] = field(default_factory=list)   # from an input to first_failure, worst input each step
     notes: list[str] = field(default_factory=list)
     atol: float = 0.0                     # allowed on top of rtol x scale
+    rtol_from: str = ""                   # which default rtol is and why ("" when the caller gave it)
     source: str = ""                      # validate_onnx: the file compared; compare(): ""
     providers: list[str] = field(default_factory=list)   # validate_onnx: ONNX Runtime's providers
 
@@ -92,7 +114,8 @@ class ComparisonReport:
         head = f"validate {self.source} on {self.providers[0]}" if self.source else \
             f"compare ({self.low_dtype} graph against fp32)"
         atol = f" + {self.atol:g}" if self.atol else ""
-        lines = [f"{head}: {len(self.errors)} float nodes, tolerance {self.rtol:g} of each value's scale{atol}: "
+        why = f" ({self.rtol_from})" if self.rtol_from else ""
+        lines = [f"{head}: {len(self.errors)} float nodes, tolerance {self.rtol:g} of each value's scale{atol}{why}: "
                  f"{verdict}"]
         lines += [f"  output {error}" for error in self.outputs]
         if self.first_failure is not None:
@@ -116,8 +139,8 @@ class ComparisonReport:
 
 def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None = None) -> ComparisonReport:
     """Run `model` in fp32 and `gm` (its conversion) on `inputs`; the error of every node, worst first,
-    the first node past `rtol` (relative to the node's value scale; default 1e-2 fp16, 5e-2 bf16) and
-    the chain of nodes that leads to it."""
+    the first node past `rtol` (relative to the node's value scale; default 1e-2 fp16, 5e-2 bf16, FP8_RTOL
+    when the graph runs float8 matmuls: default_rtol) and the chain of nodes that leads to it."""
     if in_place_conversion(gm) is not None:   # convert(model, inplace=True): each part graph's nodes
         from amp_compiler.in_place.report import compare_in_place
         return compare_in_place(model, gm, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), rtol)
@@ -125,12 +148,12 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None 
         raise ValueError("compare() takes the GraphModule convert() returned; for a model run as written "
                          "(its children converted), compare each child with the inputs it receives")
     low = graph_summary(gm)["dtype"]
-    rtol = DEFAULT_RTOL.get(low, 1e-2) if rtol is None else rtol
+    rtol, rtol_from = (rtol, "") if rtol is not None else default_rtol(gm)
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     with _eval_mode(model, gm), torch.no_grad():
         model_out = _run_model(model, inputs)   # first: inputs the model refuses are the user's to fix
-        reference, reference_out = _run(gm, inputs, fp32=True)
         candidate, candidate_out = _run(gm, inputs, fp32=False)
+        reference, reference_out = _run(gm, inputs, fp32=True, scales=fp8_scales(gm, candidate))
     errors = {}
     for node in gm.graph.nodes:
         if node in reference and node in candidate:
@@ -138,11 +161,26 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None 
     outputs = [_node_error(None, c, r, low, rtol, name=f"output[{i}]")
                for i, (c, r) in enumerate(zip(_leaves(candidate_out), _leaves(reference_out)))]
     report = ComparisonReport(low, rtol, sorted(errors.values(), key=badness, reverse=True), outputs,
-                              notes=_replay_notes(reference_out, model_out))
+                              notes=_replay_notes(reference_out, model_out), rtol_from=rtol_from)
     first = next((node for node, error in errors.items() if not error.ok), None)
     if first is not None:
         report.first_failure, report.chain = errors[first], _chain(first, errors)
     return report
+
+
+def default_rtol(gm: fx.GraphModule) -> tuple[float, str]:
+    """(compare()'s rtol for `gm`, why): FP8_RTOL when it was converted at level fp8 and float8 matmuls run in
+    it (lower_fp8_matmuls' count; a graph where none qualified computes as bf16 O1 and keeps bf16's default),
+    else its low dtype's."""
+    summary = graph_summary(gm)
+    low, level = summary["dtype"], summary.get("level")
+    counts = summary.get("pass_counts", {}).get("lower_fp8_matmuls", {})
+    lowered = counts.get("fp8", sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in FP8_MATMULS))
+    if lowered:
+        kept = f", {counts['kept']} kept {low}" if counts.get("kept") else ""
+        return FP8_RTOL, f"fp8 default: {lowered} matmul{'s' * (lowered != 1)} run in float8{kept}"
+    because = f", level {level} lowered no matmul to float8" if level == "fp8" else ""
+    return DEFAULT_RTOL.get(low, 1e-2), f"{low} default{because}"
 
 
 def _run_model(model: nn.Module, inputs: tuple):
@@ -165,9 +203,10 @@ def first_line(error: Exception) -> str:
 class _Recorder(fx.Interpreter):
     """Runs the graph and keeps every node's float tensor; fp32=True replays it without its casts."""
 
-    def __init__(self, gm: fx.GraphModule, fp32: bool, inputs: tuple = ()):
+    def __init__(self, gm: fx.GraphModule, fp32: bool, inputs: tuple = (), scales: dict | None = None):
         super().__init__(gm)
         self.fp32, self.values, self.inputs = fp32, {}, inputs
+        self.scales = scales or {}     # fp32 replay: the fp8 scales the converted graph took, by node
         self.extra_traceback = False   # a failure names the node itself
 
     def run_node(self, node: fx.Node):
@@ -189,6 +228,8 @@ class _Recorder(fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             first = 2 if node.target is amp_module_call else 3   # the frozen call also takes the copies
             result = args[0](*args[first:], **kwargs)             # a low leaf (an RNN) with its fp32 parameters
+        elif self.fp32 and node.op == "call_function" and node.target in FP8_REPLAY:
+            result = FP8_REPLAY[node.target](self, node, *self.fetch_args_kwargs_from_env(node))
         else:
             result = super().run_node(node)
         if node.op != "output" and isinstance(result, torch.Tensor) and result.is_floating_point():
@@ -196,10 +237,53 @@ class _Recorder(fx.Interpreter):
         return result
 
 
-def _run(gm, inputs, fp32: bool):
-    recorder = _Recorder(gm, fp32, inputs)
+# The fp32 replay of the fp8 level's nodes (passes/fx/fp8_runtime.py): the matmul in fp32 on its high-precision
+# operands, each fp8 copy as its exact scaled value (x * scale: unrounded, unsaturated), each scale the one the
+# converted graph took (a power of two from an amax that bf16 rounding can move across a binade). So outputs are
+# the fp32 model's, and an fp8 cast's error is its rounding and saturation at the graph's own scale.
+def _bound(node: fx.Node, args, kwargs) -> dict:
+    bound = inspect.signature(node.target).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _fp32_linear(recorder, node, args, kwargs):
+    call = _bound(node, args, kwargs)
+    x, w = call.get("x", call.get("a")), call.get("weight", call.get("b"))
+    if node.target in (fp8.fp8_scaled_matmul, fp8.fp8_matmul):   # b is (K, N)
+        w = w.t()
+    return torch.nn.functional.linear(x, w, call.get("bias"))
+
+
+def _fp32_scale(recorder, node, args, kwargs):
+    return recorder.scales[node] if node in recorder.scales else node.target(*args, **kwargs)
+
+
+def _fp32_fp8_copy(recorder, node, args, kwargs):
+    call = _bound(node, args, kwargs)
+    return call["x"].float() * call["scale"]
+
+
+def _fp32_frozen_fp8_weight(recorder, node, args, kwargs):
+    weight = _bound(node, args, kwargs)["weight"]
+    scale = node.target(*args, **kwargs)[2]         # the cached copy's scale, as the converted graph reads it
+    return weight, weight.float() * scale, scale
+
+
+FP8_REPLAY = {**dict.fromkeys(FP8_MATMULS, _fp32_linear), **dict.fromkeys(FP8_SCALES, _fp32_scale),
+              fp8.fp8_cast: _fp32_fp8_copy, amp_frozen_fp8_weight: _fp32_frozen_fp8_weight}
+
+
+def _run(gm, inputs, fp32: bool, scales: dict | None = None):
+    recorder = _Recorder(gm, fp32, inputs, scales)
     out = recorder.run(*inputs)
     return recorder.values, out
+
+
+def fp8_scales(gm: fx.GraphModule, values: dict) -> dict:
+    """The fp8 scales a run of the converted graph recorded, for its fp32 replay to take."""
+    return {node: values[node] for node in gm.graph.nodes if node.op == "call_function" and node.target in FP8_SCALES
+            and node in values}
 
 
 def _node_error(node, candidate: torch.Tensor, reference: torch.Tensor, low: str, rtol: float,
@@ -224,7 +308,8 @@ def tensor_error(candidate: torch.Tensor, reference: torch.Tensor, low: str, rto
         finite = b[b.isfinite()].abs()
         scale = finite.max().item() if finite.numel() else 0.0
         non_finite = int((~a.isfinite() & b.isfinite()).sum())
-    ulp = 2.0 ** (math.floor(math.log2(scale)) - MANTISSA_BITS.get(low, 10)) if scale > 0 else math.inf
+    bits = MANTISSA_BITS.get(dtype_name(candidate.dtype) if candidate.dtype in FP8_DTYPES else low, 10)
+    ulp = 2.0 ** (math.floor(math.log2(scale)) - bits) if scale > 0 else math.inf
     relative = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
     return NodeError(node, op, module, dtype_name(candidate.dtype), tuple(candidate.shape), max_abs,
                      relative, max_abs / ulp if max_abs else 0.0, non_finite,

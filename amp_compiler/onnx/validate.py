@@ -26,7 +26,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from amp_compiler.insight.compare import ComparisonReport, NodeError, badness, tensor_error, worst_chain
+from amp_compiler.insight.compare import FP8_RTOL, ComparisonReport, NodeError, badness, tensor_error, worst_chain
 from amp_compiler.onnx.files import load_onnx_model
 from amp_compiler.onnx.sessions import execution_providers, make_session
 from amp_compiler.passes.onnx.infer_types import infer_onnx_types
@@ -43,9 +43,16 @@ class ValidationReport(ComparisonReport):
 TensorError = DriftingNode = NodeError     # earlier names of validate_onnx's per-value errors
 
 
-def validate_onnx(path, reference, inputs, *, rtol: float = 1e-2, atol: float = 1e-2,
+DEFAULT_RTOL = 1e-2
+FLOAT8_TYPES = (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E4M3FNUZ, ir.DataType.FLOAT8E5M2,
+                ir.DataType.FLOAT8E5M2FNUZ)
+
+
+def validate_onnx(path, reference, inputs, *, rtol: float | None = None, atol: float = 1e-2,
                   compare_intermediates: bool = False) -> ValidationReport:
-    """Run the model at `path` and its fp32 reference (an ONNX path or the nn.Module) on `inputs`."""
+    """Run the model at `path` and its fp32 reference (an ONNX path or the nn.Module) on `inputs`.
+    rtol: relative to each value's scale; default 1e-2, or compare()'s FP8_RTOL for a file that computes
+    in float8 (float8 weights, or QuantizeLinear to float8: default_onnx_rtol)."""
     path = os.fspath(path)
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     load_onnx_model(path)                       # clear error for a missing or non-ONNX file
@@ -65,12 +72,14 @@ def validate_onnx(path, reference, inputs, *, rtol: float = 1e-2, atol: float = 
                 list(_run(_reference_onnx(reference, inputs, scratch), arrays).values())
     candidate = load_onnx_model(path)
     low = _low_dtype(candidate)
+    rtol, rtol_from = (rtol, "") if rtol is not None else default_onnx_rtol(candidate)
     producers = {value.name: node for node in candidate.graph for value in node.outputs}
     outputs = []
     for value, ref in zip(candidate.graph.outputs, reference_outputs):
         producer = producers.get(value.name)
         outputs.append(_error(ours[value.name], ref, low, rtol, atol, producer, value.name))
-    report = ValidationReport(low, rtol, [], outputs, notes=notes, atol=atol, source=path, providers=providers)
+    report = ValidationReport(low, rtol, [], outputs, notes=notes, atol=atol, source=path, providers=providers,
+                              rtol_from=rtol_from)
     if compare_intermediates:
         _compare_intermediates(report, candidate, producers, ours, theirs)
     return report
@@ -144,6 +153,27 @@ def _error(candidate, reference, low: str, rtol: float, atol: float, node, value
     a, b = torch.from_numpy(np.asarray(candidate)), torch.from_numpy(np.asarray(reference))
     node_name, op = (node.name, node.op_type) if node is not None else (value, "input")
     return tensor_error(a, b, low, rtol, atol, node=node_name, op=op, value=value)
+
+
+def default_onnx_rtol(model: ir.Model) -> tuple[float, str]:
+    """(validate_onnx's rtol for `model`, why): FP8_RTOL when it computes in float8 (what export_onnx /
+    convert_onnx write at level fp8: FLOAT8E4M3FN weights, QuantizeLinear to float8 by output_dtype or by a
+    float8 zero point), else DEFAULT_RTOL."""
+    weights = sum(1 for value in model.graph.initializers.values() if value.dtype in FLOAT8_TYPES)
+    quantizers = sum(1 for node in model.graph.all_nodes() if node.op_type == "QuantizeLinear" and _to_float8(node))
+    if not weights and not quantizers:
+        return DEFAULT_RTOL, "default"
+    found = [f"{count} {what}" for count, what in ((weights, "float8 weight" + "s" * (weights != 1)),
+                                                  (quantizers, "QuantizeLinear to float8")) if count]
+    return FP8_RTOL, f"fp8 default: {', '.join(found)}"
+
+
+def _to_float8(node: ir.Node) -> bool:
+    output_dtype = node.attributes.get("output_dtype")
+    if output_dtype is not None and output_dtype.value in {int(t) for t in FLOAT8_TYPES}:
+        return True
+    zero_point = node.inputs[2] if len(node.inputs) > 2 else None
+    return zero_point is not None and zero_point.dtype in FLOAT8_TYPES
 
 
 def _low_dtype(model: ir.Model) -> str:
