@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 import amp_compiler
 from amp_compiler.passes.fx.fp8_runtime import (E4M3, E5M2, FP8_MAX, Fp8History, fp8_amax, fp8_cast,
@@ -326,6 +327,7 @@ def test_build_train_network_records_histories_through_the_joint_graph():
     histories = step.converted.fp8_history
     assert histories.linear.x[:3].tolist() == [x.bfloat16().abs().max().item() for x in reversed(inputs)]
     assert (histories.linear_1.grad[:3] > 0).all() and histories.linear.w[3].item() == 0
+    assert not any(is_fake(amax) for which in ("x", "w") for amax, _ in histories.linear.issued(which))   # tracing
     restored = step.graph_module.meta["amp_step"]["restored_on_overflow"]   # a skipped step gives them back
     assert {f"fp8_history.linear{i}.{h}" for i in ("", "_1") for h in ("x", "w", "grad")} <= set(restored)
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from amp_compiler.passes.fx.runtime import graph_leaf
 from amp_compiler.passes.policy.fp8 import GEMM_MULTIPLE
@@ -182,8 +183,9 @@ def fp8_delayed_scale(amax: torch.Tensor, histories: Fp8History, which: str, fp8
     if _recomputing():   # checkpointing re-runs this call: no second record, the first run's scale
         return _replayed(amax, issued, _delayed(amax, history, fp8_dtype, margin, amax_from, record=False))
     scale = _delayed(amax, history, fp8_dtype, margin, amax_from, record=True)
-    issued.append((amax.detach().float(), scale))
-    del issued[:-ISSUED_KEPT]
+    if not torch.compiler.is_compiling() and not is_fake(amax):   # tracing (a joint graph) keeps no fake tensors
+        issued.append((amax.detach().float(), scale))
+        del issued[:-ISSUED_KEPT]
     return scale
 
 
