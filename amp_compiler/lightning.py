@@ -25,6 +25,11 @@ state it started with) through `amp_compiler.train.overflow_report.locate_overfl
 overflowed. There is no autocast underneath (`forward_context` is a no-op): the graphs carry the casts. bf16
 has fp32's range and needs no scaler.
 
+Level "fp8" works as any other (`AmpPrecision("fp8", fp8_scaling="delayed", ...)`). Its delayed amax histories
+are in the model's state_dict; a Trainer checkpoint keeps them beside "state_dict" (under FP8_HISTORIES: Lightning
+loads "state_dict" before convert_module runs) and on_load_checkpoint puts them back, so a resumed run takes the
+interrupted one's next scales (a checkpoint without them warns).
+
 After the first optimizer step (the parts are captured on their first call) the explain() summary is logged;
 `report_html="path.html"` writes `amp_compiler.render(model, path)` when training ends (teardown).
 
@@ -50,6 +55,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 import amp_compiler
 from amp_compiler.in_place.conversion import in_place_conversion
+from amp_compiler.in_place.fp8_histories import load_histories, pop_history_keys
 from amp_compiler.train.loss_scale import LossScaleManager
 from amp_compiler.train.overflow_report import locate_overflow
 
@@ -59,6 +65,7 @@ REFUSED_STRATEGIES = {
     "DeepSpeedStrategy": "DeepSpeed casts and scales the model itself",
     "ModelParallelStrategy": "FSDP2/tensor-parallel sharding is not tested with in-place conversion",
 }
+FP8_HISTORIES = "amp_compiler_fp8_histories"   # a Trainer checkpoint's key for fp8 delayed amax histories
 ALTERNATIVES = ('use strategy="ddp" or "ddp_spawn" with this plugin, or Lightning\'s own precision="bf16-mixed" '
                 'with that strategy')
 
@@ -186,6 +193,18 @@ class AmpPrecision(ScalerHooks, Precision):
         if self.scaler is not None:
             self._update_deferred_scale()   # the checkpoint holds the scale the next step uses
         return super().state_dict()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # fp8 delayed scaling: the model's state_dict holds its amax histories (in_place/fp8_histories.py), but on
+        # resume Lightning loads "state_dict" before convert_module converts the model, and the unconverted model
+        # refuses their keys. They are stored beside it and loaded after the conversion (on_load_checkpoint).
+        histories = pop_history_keys(checkpoint["state_dict"])
+        if histories:
+            checkpoint[FP8_HISTORIES] = histories
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.amp.model is not None:
+            load_histories(self.amp.model, checkpoint.get(FP8_HISTORIES))
 
     def _update_deferred_scale(self) -> None:
         if self._scale_update_pending:

@@ -5,7 +5,8 @@
                -> it cannot (a KV cache argument, untraceable code): it runs as written and its children
                   become parts, level by level down to Linear/Conv leaves, which always capture
 restore(model) puts the original forwards back. Nothing here registers a module, parameter or buffer on
-the user's model: graphs and frozen copies live on the parts, outside the module tree.
+the user's model: graphs and frozen copies live on the parts, outside the module tree (fp8 delayed scaling adds
+state_dict hooks for its amax histories: fp8_histories.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from amp_compiler.frontend.hooks import HOOK_DICTS
 from amp_compiler.frontend.capture import refuse_low_parameters
 from amp_compiler.in_place.call_key import Uncapturable, call_key
 from amp_compiler.in_place import reuse
+from amp_compiler.in_place.fp8_histories import Fp8HistoryStore
 from amp_compiler.frontend.export_capture import parameters_read_as_constants
 from amp_compiler.in_place.guards import ModuleState, assigned_attributes, grad_mode_changes
 from amp_compiler.in_place.part import Graph, Part, PartForward, bound_call, low_node_count
@@ -47,6 +49,7 @@ class InPlaceConversion:
     pack_linears: bool = False    # amp_compiler.frozen.pack_linears(model): frozen Linear copies oneDNN-packed
     templates: dict = dataclasses.field(default_factory=reuse.Templates)   # signature -> graph to reuse
     reused: int = 0               # graphs bound from a template instead of captured (reuse.py)
+    fp8_histories: object = None  # fp8 delayed scaling: the amax histories, in the model's state_dict
 
     def before_outermost_call(self) -> None:
         """Once per model call, before any part runs: the frozen copies whose weights' values changed go."""
@@ -97,6 +100,8 @@ class InPlaceConversion:
         watched += _called_modules_flags(gm, part.module)
         gm.meta["amp"]["part"] = part.path
         gm.meta["amp"]["capture"] = self.captured + self.reused   # the order graphs were made in (latest shows)
+        if self.fp8_histories is not None:   # before freezing: frozen fp8 weights follow the histories
+            self.fp8_histories.bind(gm, part.path)
         if self.freeze:
             _freeze_graph(gm, part.module.training, self)
         return Graph(gm, watched, low_node_count(gm), ModuleState(part.module))
@@ -246,6 +251,8 @@ def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None
                         f"got {type(example_inputs).__name__}")
     refuse_low_parameters(model)
     conversion = InPlaceConversion(model, config, freeze)
+    if config.fp8 is not None and config.fp8.scaling == "delayed":
+        conversion.fp8_histories = Fp8HistoryStore(model)
     if calibration_data is not None:
         conversion.calibration = _record_calls(model, calibration_data)
     model.__dict__[ATTRIBUTE] = conversion
@@ -286,6 +293,8 @@ def restore(model: nn.Module) -> nn.Module:
             part.module.__dict__["forward"] = part.own_forward
         else:
             part.module.__dict__.pop("forward", None)
+    if conversion.fp8_histories is not None:
+        conversion.fp8_histories.remove_hooks()
     del model.__dict__[ATTRIBUTE]
     return model
 

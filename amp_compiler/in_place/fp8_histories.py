@@ -1,0 +1,160 @@
+"""Delayed fp8 scaling in place: one set of amax histories per matmul of the user's model, in its state_dict.
+
+convert(model, "fp8", fp8_scaling="delayed", inplace=True) captures graphs lazily, each with its own
+Fp8History modules (gm.fp8_history.<node>). Left there, the histories would be in no checkpoint (the graphs
+are outside the model's module tree), a resumed run would restart them empty, and a part's eval graph (captured
+apart from its training graph) would read an empty history of its own. So the conversion keeps the history
+tensors, keyed by the matmul's module path, and every graph a part captures (train, eval, another dtype) holds
+those very tensors as its Fp8History buffers:
+
+    state_dict()       adds   <module path>._amp_fp8_history.{x,w,grad}     (a second matmul of one module:
+                                                                             _amp_fp8_history_1, ...)
+    load_state_dict()  takes  them back (before any capture too: the graphs captured later start from them);
+                       a history the model holds that the loaded dict lacks is a missing key (strict raises)
+
+Nothing else changes in the state_dict; a model converted at another level or recipe has no such keys (load a
+delayed checkpoint there with strict=False). Each graph's Fp8History keeps its own training flag: only
+training-mode graphs record, eval graphs read what training recorded.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from amp_compiler.passes.fx.fp8_runtime import HISTORIES, Fp8History
+from amp_compiler.passes.node_facts import facts
+
+STATE_NAME = "_amp_fp8_history"   # <module path>.<STATE_NAME>.<x|w|grad> in the model's state_dict
+
+
+class Fp8HistoryStore:
+    """The conversion's amax histories: key (see module docstring) -> {"x", "w", "grad": the shared tensor}."""
+
+    def __init__(self, model: nn.Module):
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self.handles = [model.register_state_dict_post_hook(_Hook(self, "add_to_state_dict")),
+                        model.register_load_state_dict_pre_hook(_Hook(self, "take_from_state_dict"))]
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    # -- graphs ---------------------------------------------------------------------------------------------
+    def bind(self, gm: torch.fx.GraphModule, part_path: str) -> None:
+        """Make each Fp8History of a freshly captured graph hold the store's tensors for its matmul (the graph's
+        own zeros, or its calibrated start, become the store's when the matmul has none yet)."""
+        for key, history in _histories_by_key(gm, part_path).items():
+            shared = self.tensors.get(key)
+            if shared is None:
+                self.tensors[key] = {name: getattr(history, name) for name in HISTORIES}
+                continue
+            for name in HISTORIES:
+                own = getattr(history, name)
+                tensor = shared[name]
+                if tensor.shape != own.shape:
+                    raise ValueError(f"{key}.{name}: the amax history holds {tensor.numel()} calls, this "
+                                     f"conversion's fp8_history is {own.numel()}")
+                if tensor.device != own.device:   # loaded onto the CPU: the graph's device from now on
+                    tensor.data = tensor.data.to(own.device)
+                history._buffers[name] = tensor
+
+    # -- state_dict hooks ------------------------------------------------------------------------------------
+    def add_to_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        for key, tensors in self.tensors.items():
+            for name, tensor in tensors.items():
+                state_dict[f"{prefix}{key}.{name}"] = tensor.detach()
+
+    def take_from_state_dict(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                             unexpected_keys, error_msgs) -> None:
+        loaded: dict[str, dict[str, torch.Tensor]] = {}
+        for full_key in [k for k in state_dict if k.startswith(prefix) and _is_history_key(k[len(prefix):])]:
+            key, name = full_key[len(prefix):].rsplit(".", 1)
+            loaded.setdefault(key, {})[name] = state_dict.pop(full_key)
+        for key in self.tensors.keys() - loaded.keys():
+            missing_keys.extend(f"{prefix}{key}.{name}" for name in HISTORIES)
+        for key, values in loaded.items():
+            if set(values) != set(HISTORIES):
+                error_msgs.append(f"fp8 amax history {prefix}{key}: has {sorted(values)}, needs {list(HISTORIES)}")
+                continue
+            shared = self.tensors.get(key)
+            if shared is None:   # not captured yet: the graph captured later takes these
+                self.tensors[key] = {name: value.detach().clone().float() for name, value in values.items()}
+                continue
+            for name, value in values.items():
+                if value.shape != shared[name].shape:
+                    error_msgs.append(f"fp8 amax history {prefix}{key}.{name}: {value.numel()} calls in the "
+                                      f"checkpoint, {shared[name].numel()} in this conversion (fp8_history)")
+                    continue
+                with torch.no_grad():
+                    shared[name].copy_(value)
+
+
+def pop_history_keys(state_dict: dict) -> dict:
+    """The amax history entries of a state_dict, taken out of it (a checkpoint that stores them apart)."""
+    return {key: state_dict.pop(key) for key in [k for k in state_dict if _is_history_key(k)]}
+
+
+def load_histories(model: nn.Module, histories: dict | None) -> None:
+    """Put `histories` (pop_history_keys of a state_dict saved from `model`) back into its conversion: into the
+    graphs captured so far and those captured later. Warns, rather than resume on other scales unsaid, when the
+    checkpoint has none for a model converted at fp8_scaling="delayed" (they restart empty), or has some for a
+    model converted otherwise (they are dropped)."""
+    store = getattr(model.__dict__.get("_amp_in_place"), "fp8_histories", None)
+    if store is None and histories:
+        warnings.warn(f"the checkpoint holds {len(histories) // len(HISTORIES)} fp8 amax histories (fp8_scaling="
+                      f"'delayed'), but {type(model).__name__} is not converted in place at that recipe: they are "
+                      "dropped", UserWarning, stacklevel=3)
+    elif store is not None and not histories:
+        warnings.warn(f"{type(model).__name__} is converted at fp8_scaling='delayed', but the checkpoint holds no "
+                      "fp8 amax histories (saved before they were kept, or at another level): they restart empty, "
+                      "so the next scales are not the interrupted run's", UserWarning, stacklevel=3)
+    if store is None or not histories:
+        return
+    errors: list[str] = []
+    store.take_from_state_dict(model, dict(histories), "", {}, True, [], [], errors)
+    if errors:
+        raise RuntimeError("loading fp8 amax histories: " + "; ".join(errors))
+
+
+class _Hook:
+    """A store's method as a hook torch can tag (register_*_hook sets an attribute on it) and pickle."""
+
+    def __init__(self, store: Fp8HistoryStore, method: str):
+        self.store, self.method = store, method
+
+    def __call__(self, *args):
+        return getattr(self.store, self.method)(*args)
+
+
+def _is_history_key(key: str) -> bool:
+    parts = key.split(".")
+    return len(parts) >= 2 and parts[-1] in HISTORIES and parts[-2].startswith(STATE_NAME)
+
+
+def _histories_by_key(gm: torch.fx.GraphModule, part_path: str) -> dict[str, Fp8History]:
+    """{"<user's module path>.<STATE_NAME>[_n]": the graph's Fp8History} for its delayed-scaled matmuls, in
+    graph order (the n-th matmul of one module gets suffix _n)."""
+    found: dict[str, Fp8History] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not node.target.startswith("fp8_history."):
+            continue
+        module = next((facts(user).get("module") for user in node.users if facts(user).get("module") is not None),
+                      None)
+        inside = _user_path(module) if module is not None else None
+        path = ".".join(p for p in (part_path, inside) if p)
+        base = f"{path}.{STATE_NAME}" if path else STATE_NAME
+        if inside is None:   # no module recorded: the node's name keeps it apart
+            base = f"{base}_{node.target.rsplit('.', 1)[1]}"
+        key, n = base, 0
+        while key in found:
+            n += 1
+            key = f"{base}_{n}"
+        found[key] = gm.get_submodule(node.target)
+    return found
+
+
+def _user_path(module: str) -> str:
+    """A module path as the graph names it ("inner.0": the part's BoundCall copy) as the part names it ("0")."""
+    return module.removeprefix("inner").removeprefix(".")
