@@ -114,3 +114,64 @@ def test_a_factory_that_cannot_be_loaded_says_where_it_looked(factory_dir, capsy
     assert main(["explain", spec]) == 2
     err = capsys.readouterr().err
     assert err.startswith("amp-compiler explain: error: ") and message.format(cwd=os.getcwd()) in err
+
+
+GPT = ["models:build", "--kwarg", "name=gpt"]
+
+
+def test_compare_at_fp8_takes_the_fp8_options_and_the_fp8_default(capsys):
+    """--level fp8 runs bf16 around the matmuls without --dtype (the CLI's float16 default is refused there);
+    --fp8-min-dim 16 lowers the zoo GPT's 13 matmuls, and the default tolerance follows."""
+    assert main(["compare", *GPT, "--level", "fp8", "--fp8-min-dim", "16"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("compare (bfloat16 graph against fp32)")
+    assert "tolerance 0.15 of each value's scale (fp8 default: 13 matmuls run in float8, 4 kept bfloat16): passed" in first
+    assert main(["compare", *GPT, "--level", "fp8", "--fp8-min-dim", "16", "--rtol", "0.01"]) == 1   # explicit wins
+    assert main(["compare", *GPT, "--level", "fp8"]) == 0     # fp8_min_dim 1024: nothing lowered, bf16's default
+    assert "(bfloat16 default, level fp8 lowered no matmul to float8)" in capsys.readouterr().out
+
+
+def test_explain_passes_every_fp8_option_to_convert(capsys):
+    argv = ["explain", *GPT, "--level", "fp8", "--fp8-min-dim", "16", "--fp8-keep", "layers.0.*,lm_head",
+            "--fp8-keep", "layers.1.attention.query", "--fp8-scaling", "delayed", "--fp8-history", "4",
+            "--fp8-amax-from", "most_recent", "--fp8-margin", "1", "--op", "linear"]
+    assert main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  linear")]
+    kept = [row.split()[0] for row in rows if "kept bfloat16: user rule: fp8_keep" in row]
+    assert kept == ["linear", "linear_1", "linear_2", "linear_3", "linear_4", "linear_5", "linear_6", "linear_12"]
+    lowered = [row for row in rows if " fp8 (" in row]
+    assert len(lowered) == 5 and all("delayed scaling (most_recent of 4 calls' amax)" in row and "margin 1" in row
+                                     for row in lowered)
+
+
+def test_fp8_max_error_reaches_calibration(capsys):
+    """--calibrate measures each matmul's fp8 round-trip error; a max error below e4m3's keeps them all bf16."""
+    argv = ["explain", *GPT, "--level", "fp8", "--fp8-min-dim", "16", "--calibrate", "--op", "linear"]
+    assert main([*argv, "--fp8-max-error", "1e-4"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("  linear")]   # layers.1 folds into layers.0
+    assert "layers.1: same decisions as layers.0" in out and len(rows) == 7
+    assert all("(per tensor, 1 samples) > fp8_max_error 0.0001" in row and " fp8 (" not in row for row in rows)
+    assert main([*argv, "--fp8-max-error", "0.5"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  linear")]
+    assert len(rows) == 7 and all(" fp8 (" in row and "kept" not in row for row in rows)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fp8-min-dim", "16"], "['--fp8-min-dim'] apply to level 'fp8' only, not 'O1'"),
+    (["--level", "fp8", "--fp8-history", "4"], "['--fp8-history'] apply to --fp8-scaling='delayed' only, not 'current'"),
+    (["--level", "fp8", "--fp8-margin", "-1"], "--fp8-margin must be an int >= 0, got -1"),
+    (["--level", "fp8", "--fp8-min-dim", "16", "--fp8-keep", "nowhere.*"], "--fp8-keep pattern(s) ['nowhere.*'] matched"),
+    (["--level", "fp8", "--fp8-max-error", "0.1"], "--fp8-max-error applies with --calibrate"),
+    (["--level", "fp8", "--dtype", "fp16"], "give --dtype bfloat16 or none; got float16"),
+])
+def test_fp8_usage_errors_exit_2_in_the_command_lines_words(capsys, argv, message):
+    assert main(["explain", *GPT, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("amp-compiler explain: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_bad_fp8_choice_is_argparses_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", *GPT, "--level", "fp8", "--fp8-scaling", "blockwise"])
+    assert exit_.value.code == 2 and "invalid choice: 'blockwise'" in capsys.readouterr().err

@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except (ValueError, TypeError) as error:
-        print(f"amp-compiler {args.command}: error: {error}", file=sys.stderr)
+        from amp_compiler.cli.arguments import cli_words
+        print(f"amp-compiler {args.command}: error: {cli_words(str(error))}", file=sys.stderr)
         return 2
 
 

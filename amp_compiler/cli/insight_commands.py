@@ -2,6 +2,7 @@
 
     amp-compiler explain MODULE:FACTORY [--level O2] [--dtype bf16] [--only fp32] [--html out.html]
     amp-compiler compare MODULE:FACTORY [--level O2] [--rtol 0.01]
+    amp-compiler compare MODULE:FACTORY --level fp8 [--fp8-scaling delayed] [--fp8-min-dim 16] [--fp8-keep lm_head]
     amp-compiler render  model_fp16.onnx out.html      (or MODULE:FACTORY out.html / out.svg)
 
 MODULE:FACTORY names a function to call (with --kwarg NAME=VALUE keywords): MODULE is a module importable
@@ -20,7 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from amp_compiler.cli.arguments import LEVEL_CHOICES_HELP, load_factory
+from amp_compiler.cli.arguments import (LEVEL_CHOICES_HELP, add_fp8_options, calibration_samples, convert_dtype,
+                                        fp8_overrides, load_factory)
+from amp_compiler.insight.compare import FP8_RTOL
 
 
 def add_insight_parsers(subparsers) -> None:
@@ -40,8 +43,8 @@ def add_insight_parsers(subparsers) -> None:
                                                 "and print each node's error, worst first, and the first node "
                                                 "past tolerance. Exit code 1 when the outputs are past it.")
     _add_model(compare)
-    compare.add_argument("--rtol", type=float, help="tolerance relative to each value's scale "
-                                                    "(default 0.01 for float16, 0.05 for bfloat16)")
+    compare.add_argument("--rtol", type=float, help=f"tolerance relative to each value's scale (default 0.01 for "
+                                                    f"float16, 0.05 for bfloat16, {FP8_RTOL:g} where float8 matmuls run)")
     compare.set_defaults(func=run_compare)
 
     render = subparsers.add_parser("render", help="draw a converted model or an ONNX file as one HTML/SVG file",
@@ -60,9 +63,10 @@ def _add_model(parser: argparse.ArgumentParser, with_source: bool = True) -> Non
     parser.add_argument("--kwarg", action="append", default=[], metavar="NAME=VALUE",
                         help="keyword argument for the factory; VALUE is a Python literal or else a string")
     parser.add_argument("--level", default="O1", help=LEVEL_CHOICES_HELP)
-    parser.add_argument("--dtype", default="float16", help="float16/fp16 (default) or bfloat16/bf16")
+    parser.add_argument("--dtype", help="float16/fp16 (default) or bfloat16/bf16 (at --level fp8: bfloat16)")
     parser.add_argument("--calibrate", action="store_true",
                         help="range calibration on the factory's calibration_data (else its example inputs)")
+    add_fp8_options(parser)
 
 
 def run_explain(args) -> int:
@@ -108,12 +112,8 @@ def _converted(args) -> tuple[nn.Module, tuple, torch.fx.GraphModule]:
     import amp_compiler
 
     model, inputs, calibration = load_factory(args.factory, args.kwarg)
-    dtype = amp_compiler.config.resolve_dtype(args.dtype)
-    if args.calibrate and calibration is None:
-        print("range calibration on the example inputs alone (a factory may return calibration_data too)")
-        calibration = [inputs]
-    samples = calibration if args.calibrate else None
-    return model, inputs, amp_compiler.convert(model, args.level, dtype=dtype, example_inputs=inputs,
-                                               calibration_data=samples)
+    overrides = {**convert_dtype(args), **fp8_overrides(args)}
+    return model, inputs, amp_compiler.convert(model, args.level, example_inputs=inputs, **overrides,
+                                               calibration_data=calibration_samples(args, inputs, calibration))
 
 

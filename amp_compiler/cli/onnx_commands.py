@@ -1,6 +1,7 @@
 """The `export` and `convert-onnx` subcommands, for amp_compiler/cli/__init__.py to mount on its parser.
 
-    amp-compiler export models:build out.onnx --kwarg name=bert --level O1 [--validate]
+    amp-compiler export models:build out.onnx --kwarg name=bert --level O1 [--validate [--rtol 0.01]]
+    amp-compiler export models:build out.onnx --kwarg name=gpt --level fp8 --fp8-min-dim 16 [--calibrate]
     amp-compiler convert-onnx model.onnx model_fp16.onnx --level O1 [--op-block-list Softmax ...]
 
 MODULE:FACTORY names a callable; it returns an object with .model and .example_inputs (a models.ZooTask),
@@ -14,7 +15,9 @@ import argparse
 import sys
 
 
-from amp_compiler.cli.arguments import LEVEL_CHOICES_HELP, load_factory
+from amp_compiler.cli.arguments import (LEVEL_CHOICES_HELP, add_fp8_options, calibration_samples, cli_words,
+                                        fp8_overrides, load_factory)
+from amp_compiler.insight.compare import FP8_RTOL
 
 
 def add_export_parser(subparsers) -> argparse.ArgumentParser:
@@ -27,9 +30,17 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
                         help="keyword argument for the factory; VALUE is a Python literal or else a string")
     parser.add_argument("--input-shape", action="append", default=[], metavar="D0,D1,...",
                         help="shape of one fp32 example input, when the factory returns a bare module")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="calibrate on the factory's calibration_data (else its example inputs): ranges, and at "
+                             "--level fp8 static activation scales")
     _add_common(parser)
+    add_fp8_options(parser)
     parser.add_argument("--validate", action="store_true",
                         help="compare the ONNX model with the PyTorch model on the example inputs")
+    parser.add_argument("--rtol", type=float,
+                        help=f"--validate's tolerance relative to each value's scale (default 0.01, {FP8_RTOL:g} for a "
+                             f"file with float8 matmuls)")
+    parser.add_argument("--atol", type=float, default=1e-2, help="--validate's absolute tolerance on top (default 0.01)")
     parser.set_defaults(func=run_export)
     return parser
 
@@ -41,6 +52,7 @@ def add_convert_onnx_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("input", metavar="IN.onnx")
     parser.add_argument("output", metavar="OUT.onnx")
     _add_common(parser)
+    add_fp8_options(parser, calibrates=False)
     parser.add_argument("--op-block-list", nargs="+", default=None, metavar="OP_TYPE",
                         help="ONNX op types kept in fp32 (e.g. Softmax LayerNormalization)")
     parser.add_argument("--node-block-list", nargs="+", default=None, metavar="NODE",
@@ -64,12 +76,13 @@ def run_export(args) -> int:
     from amp_compiler.onnx.files import UnwritableDestinationError
     from amp_compiler.onnx.validate import validate_onnx
     try:
-        model, example_inputs, _ = load_factory(args.factory, args.kwarg, args.input_shape)
+        model, example_inputs, calibration = load_factory(args.factory, args.kwarg, args.input_shape)
         report = export_onnx(model, example_inputs, args.output, level=args.level, dtype=args.dtype,
-                             keep_io_types=args.keep_io_types, **_force(args))
+                             keep_io_types=args.keep_io_types, **_force(args), **fp8_overrides(args),
+                             calibration_data=calibration_samples(args, example_inputs, calibration))
         print(report)
         if args.validate:
-            validation = validate_onnx(args.output, model, example_inputs)
+            validation = validate_onnx(args.output, model, example_inputs, rtol=args.rtol, atol=args.atol)
             print(validation)
             return 0 if validation.passed else 1
     except (ValueError, TypeError, FileNotFoundError, UnwritableDestinationError) as error:
@@ -83,7 +96,7 @@ def run_convert_onnx(args) -> int:
     try:
         report = convert_onnx(args.input, args.output, level=args.level, dtype=args.dtype,
                               keep_io_types=args.keep_io_types, op_block_list=args.op_block_list,
-                              node_block_list=args.node_block_list, **_force(args))
+                              node_block_list=args.node_block_list, **_force(args), **fp8_overrides(args))
     except (ValueError, TypeError, FileNotFoundError, UnwritableDestinationError) as error:
         return _usage_error("convert-onnx", error)
     print(report)
@@ -97,5 +110,5 @@ def _force(args) -> dict:
 
 
 def _usage_error(command: str, error: Exception) -> int:
-    print(f"amp-compiler {command}: error: {error}", file=sys.stderr)
+    print(f"amp-compiler {command}: error: {cli_words(str(error))}", file=sys.stderr)
     return 2
