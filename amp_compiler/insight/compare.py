@@ -168,19 +168,24 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None 
     return report
 
 
-def default_rtol(gm: fx.GraphModule) -> tuple[float, str]:
-    """(compare()'s rtol for `gm`, why): FP8_RTOL when it was converted at level fp8 and float8 matmuls run in
-    it (lower_fp8_matmuls' count; a graph where none qualified computes as bf16 O1 and keeps bf16's default),
-    else its low dtype's."""
-    summary = graph_summary(gm)
-    low, level = summary["dtype"], summary.get("level")
-    counts = summary.get("pass_counts", {}).get("lower_fp8_matmuls", {})
-    lowered = counts.get("fp8", sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in FP8_MATMULS))
+def default_rtol(*graphs: fx.GraphModule) -> tuple[float, str]:
+    """(compare()'s rtol for the converted graph(s), why): FP8_RTOL when converted at level fp8 with float8 matmuls
+    in them (lower_fp8_matmuls' count; where none qualified the graph computes as bf16 O1 and keeps bf16's
+    default), else their low dtype's. Several graphs: a model converted in place, judged as one."""
+    summaries = [graph_summary(gm) for gm in graphs]
+    low, levels = summaries[0]["dtype"], {summary.get("level") for summary in summaries}
+    counts = [summary.get("pass_counts", {}).get("lower_fp8_matmuls", {}) for summary in summaries]
+    lowered = sum(count.get("fp8", _fp8_matmuls(gm)) for count, gm in zip(counts, graphs))
     if lowered:
-        kept = f", {counts['kept']} kept {low}" if counts.get("kept") else ""
-        return FP8_RTOL, f"fp8 default: {lowered} matmul{'s' * (lowered != 1)} run in float8{kept}"
-    because = f", level {level} lowered no matmul to float8" if level == "fp8" else ""
+        kept = sum(count.get("kept", 0) for count in counts)
+        also = f", {kept} kept {low}" if kept else ""
+        return FP8_RTOL, f"fp8 default: {lowered} matmul{'s' * (lowered != 1)} run in float8{also}"
+    because = ", level fp8 lowered no matmul to float8" if "fp8" in levels else ""
     return DEFAULT_RTOL.get(low, 1e-2), f"{low} default{because}"
+
+
+def _fp8_matmuls(gm: fx.GraphModule) -> int:
+    return sum(1 for node in gm.graph.nodes if node.op == "call_function" and node.target in FP8_MATMULS)
 
 
 def _run_model(model: nn.Module, inputs: tuple):
