@@ -472,3 +472,32 @@ def test_a_matmuls_operand_is_scaled_as_the_linears_transposed_weight(scaling):
         grads.append((out.detach(), leaf.grad, model.b.grad.clone()))
     for matmul_value, linear_value in zip(*grads):
         assert torch.equal(matmul_value, linear_value)
+
+
+class ExportOnly(nn.Module):
+    """`if x.shape[0] > 2` defeats fx symbolic trace: torch.export captures it, as it does Hugging Face models
+    called with labels; its matmuls are ATen overloads (aten.linear / matmul / addmm), not torch functions."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.proj = nn.Parameter(torch.randn(32, 16) / 6)
+        self.bias = nn.Parameter(torch.zeros(16))
+
+    def forward(self, x):
+        if x.shape[0] > 2:
+            x = x * 2
+        h = torch.relu(self.fc(x))
+        return torch.addmm(self.bias, h, self.proj) + h @ self.proj
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_a_torch_export_capture_lowers_its_aten_matmuls(scaling):
+    x = torch.randn(8, 32)
+    model = ExportOnly()
+    gm = amp_compiler.convert(model, "fp8", example_inputs=(x,), fp8_min_dim=16, fp8_scaling=scaling)
+    assert gm.meta["amp"]["frontend"] == "torch.export"
+    assert gm.meta["amp"]["pass_counts"]["lower_fp8_matmuls"]["fp8"] == 3, amp_compiler.explain(gm)   # linear, addmm, matmul
+    reference = model(x)
+    error = (gm(x).float() - reference).norm() / reference.norm()
+    assert 5e-3 < error < 0.1   # fp8 ran (bf16 alone: ~3e-3) and is right to fp8's error

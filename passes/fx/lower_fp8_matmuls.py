@@ -48,9 +48,13 @@ from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.policy.rules import _matches
 from amp_compiler.passes.runner import PassResult
 
-LINEAR_TARGETS = (F.linear, torch._C._nn.linear)
-MATMUL_TARGETS = (torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, operator.matmul, "matmul", "mm")
-ADDMM_TARGETS = (torch.addmm, torch.Tensor.addmm, "addmm")
+aten = torch.ops.aten
+# The torch function forms (fx symbolic trace) and the ATen overloads (a torch.export capture: Hugging Face models
+# called with labels, for one): a matmul missing here stays bf16 with "in this call form" as its rule
+LINEAR_TARGETS = (F.linear, torch._C._nn.linear, aten.linear.default)
+MATMUL_TARGETS = (torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, operator.matmul, "matmul", "mm",
+                  aten.matmul.default, aten.mm.default)
+ADDMM_TARGETS = (torch.addmm, torch.Tensor.addmm, "addmm", aten.addmm.default)
 HISTORY_ROOT = "fp8_history"   # gm.fp8_history.<matmul node>: its Fp8History (delayed scaling)
 DDP_IGNORED = "_ddp_params_and_buffers_to_ignore"   # names DistributedDataParallel neither broadcasts nor reduces
 
