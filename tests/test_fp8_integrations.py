@@ -252,6 +252,24 @@ def test_generate_at_fp8_keeps_the_model_and_its_logits_are_within_fp8s_error(bu
         assert histories(model) and not any(v.any() for v in histories(model).values())
 
 
+@pytest.mark.real_models
+def test_generate_after_training_reads_the_training_histories_and_records_nothing():
+    """A training call with labels captures the whole Llama (torch.export), generate() its projections one by one
+    (parts, KV cache): both key each matmul's histories by its module path, so the parts' graphs hold the
+    training graph's tensors (no new key) and, in eval mode, leave them as they were."""
+    torch.manual_seed(0)
+    model = amp_compiler.convert(_llama(), "fp8", inplace=True, **fp8_options("delayed"))
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    trained = histories(model)
+    assert fp8_matmuls(model) == 15 and len(trained) == 45
+    assert all(v[0] > 0 and not v[1:].any() for v in trained.values())   # one training call recorded
+    generate(model.eval())
+    assert len(in_place_conversion(model).graph_modules()) > 1 and fp8_matmuls(model) == 30
+    assert histories(model).keys() == trained.keys()
+    assert all(torch.equal(trained[k], v) for k, v in histories(model).items())
+
+
 # -- 3. Lightning ------------------------------------------------------------------------------------------------
 pl = pytest.importorskip("lightning.pytorch")
 from amp_compiler.lightning import FP8_HISTORIES, AmpPrecision  # noqa: E402 - after the importorskip
