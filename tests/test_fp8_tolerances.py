@@ -52,6 +52,21 @@ def test_a_correct_fp8_model_passes_by_default_against_fp32_itself(gpt_task, rec
     assert not compare(model, gm, inputs, rtol=DEFAULT_RTOL["bfloat16"]).passed
 
 
+def test_a_model_converted_in_place_at_fp8_is_judged_as_the_returned_graph(gpt_task):
+    """inplace=True: the parts' graphs together take the fp8 default, and each part's fp32 replay takes the scales
+    the converted run took (without them: bf16's 0.05 and a replay that re-derives scales from fp32 values)."""
+    import copy
+    model, inputs = gpt_task.model, gpt_task.example_inputs
+    converted = convert(copy.deepcopy(model), "fp8", example_inputs=inputs, fp8_min_dim=16, inplace=True)
+    report = compare(model, converted, inputs)
+    assert report.rtol == FP8_RTOL and report.passed, str(report)
+    assert "fp8 default: 13 matmuls run in float8" in str(report).splitlines()[0]
+    assert report.outputs[0].max_rel == pytest.approx(relative_output_error(model, converted, inputs), rel=1e-6)
+    broken_scale = fp8_runtime.current_scale
+    with mock.patch.object(fp8_runtime, "current_scale", lambda *args: broken_scale(*args) * 2):
+        assert not compare(model, converted, inputs).passed
+
+
 def test_an_explicit_rtol_wins_at_fp8(gpt_task):
     gm = convert(gpt_task.model, "fp8", example_inputs=gpt_task.example_inputs, fp8_min_dim=16)
     report = compare(gpt_task.model, gm, gpt_task.example_inputs, rtol=0.01)

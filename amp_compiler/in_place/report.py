@@ -187,9 +187,12 @@ def compare_in_place(model: nn.Module, converted: nn.Module, inputs: tuple, rtol
     from amp_compiler.insight import compare as cmp
     conversion = in_place_conversion(converted)
     low = conversion.config.low_dtype_name
-    rtol = cmp.DEFAULT_RTOL.get(low, 1e-2) if rtol is None else rtol
     with cmp._eval_mode(model, converted), torch.no_grad():
         cmp._run_model(converted, inputs)   # captures what these inputs need: the runs below know every graph
+        # the parts judged as one model: at fp8, FP8_RTOL when any part runs float8 matmuls (compare.default_rtol)
+        graphs = [graph.gm for _, graph in shown_graphs(conversion)]
+        rtol, rtol_from = (rtol, "") if rtol is not None else \
+            cmp.default_rtol(*graphs) if graphs else (cmp.DEFAULT_RTOL.get(low, 1e-2), f"{low} default")
         with running_as_written(model):
             reference_calls, reference_out = _reference_run(model, conversion, inputs)
         graph_calls, candidate_out = _converted_run(converted, conversion, inputs)
@@ -197,7 +200,8 @@ def compare_in_place(model: nn.Module, converted: nn.Module, inputs: tuple, rtol
     outputs = [cmp._node_error(None, c, r, low, rtol, name=f"output[{i}]")
                for i, (c, r) in enumerate(zip(cmp._leaves(candidate_out), cmp._leaves(reference_out)))]
     errors = [error for call in errors_by_call for error in call.values()]
-    report = cmp.ComparisonReport(low, rtol, sorted(errors, key=cmp.badness, reverse=True), outputs, notes=notes)
+    report = cmp.ComparisonReport(low, rtol, sorted(errors, key=cmp.badness, reverse=True), outputs, notes=notes,
+                                  rtol_from=rtol_from)
     for call in errors_by_call:   # the first failing node: parts in call order, nodes in graph order
         first = next((node for node, error in call.items() if not error.ok), None)
         if first is not None:
@@ -256,8 +260,8 @@ def _call_errors(graph_calls: dict, reference_calls: dict, low: str, rtol: float
                 notes.append(f"{path or 'the model'}: call {index + 1} has no matching call in the fp32 run; "
                              "its nodes are not compared")
                 continue
-            fp32_values, _ = cmp._run(gm, reference, fp32=True)
             low_values, _ = cmp._run(gm, tensors, fp32=False)
+            fp32_values, _ = cmp._run(gm, reference, fp32=True, scales=cmp.fp8_scales(gm, low_values))   # fp8: its scales
             per_call.append({node: dataclasses.replace(cmp._node_error(node, low_values[node], fp32_values[node],
                                                                        low, rtol),
                                                        module=user_path(path, cmp.module_of(node)))
