@@ -163,6 +163,17 @@ def test_delayed_histories_load_back_before_any_call_and_the_resumed_run_is_the_
     assert not all(torch.equal(runs[False][k], runs["histories dropped"][k]) for k in runs[False])
 
 
+def test_the_example_inputs_capture_call_records_no_amax():
+    """convert(..., inplace=True, example_inputs=...) captures with one call whose effects are undone: its amax
+    must not be the first entry training's delayed scales come from (the call looked like a training step)."""
+    data = batches(1)
+    model = amp_compiler.convert(Mlp(), "fp8", inplace=True, fp8_scaling="delayed",
+                                 example_inputs=(data[0]["x"] * 1000,), **FP8)
+    assert fp8_matmuls(model) == 3   # captured by that call
+    recorded = histories(model)
+    assert recorded and not any(v.any() for v in recorded.values()), recorded
+
+
 def test_delayed_histories_loaded_strictly_name_what_is_missing_or_does_not_fit():
     model = amp_compiler.convert(Mlp(), "fp8", inplace=True, fp8_scaling="delayed", fp8_history=4, **FP8)
     train(model, batches(1), torch.optim.SGD(model.parameters(), lr=0.1))

@@ -319,18 +319,27 @@ class _fp32_while_captured:
 
 
 class _effects_undone:
-    """Buffers (batch-norm statistics, counters) as they were before a conversion-time call."""
+    """Buffers (batch-norm statistics, counters) and fp8 amax histories as they were before a conversion-time
+    call: the example inputs' amax must not be the first entry training's delayed scales are taken from."""
 
     def __init__(self, model: nn.Module):
         self.model = model
 
     def __enter__(self):
         self.saved = [(b, b.detach().clone()) for b in self.model.buffers()]
+        store = getattr(in_place_conversion(self.model), "fp8_histories", None)
+        self.histories = store.tensors if store is not None else {}
+        self.saved_histories = {key: {name: t.clone() for name, t in tensors.items()}
+                                for key, tensors in self.histories.items()}
 
     def __exit__(self, *exc):
         with torch.no_grad():
             for buffer, value in self.saved:
                 buffer.copy_(value)
+            for key, tensors in self.histories.items():   # made by this call's capture: empty, as a fresh one
+                for name, tensor in tensors.items():
+                    saved = self.saved_histories.get(key, {}).get(name)
+                    tensor.copy_(saved) if saved is not None else tensor.zero_()
 
 
 def _record_calls(model: nn.Module, samples) -> dict:
