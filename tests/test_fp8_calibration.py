@@ -128,6 +128,29 @@ def test_no_calibration_data_no_figures():
     assert _calibrated(o1) == {}   # the fp8 level's analysis only
 
 
+class FunctionalDropout(nn.Module):
+    """F.dropout(training=self.training): fx bakes the flag in at capture (True for a model in training mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc(F.dropout(x, 0.5, training=self.training))
+
+
+def test_calibration_measures_as_eval_mode_where_dropout_was_baked_in_training():
+    torch.manual_seed(0)
+    samples = [(torch.randn(16, 32),) for _ in range(2)]
+    model = FunctionalDropout().train()
+    state = torch.get_rng_state()
+    gm = amp_compiler.convert(model, "fp8", example_inputs=samples[0], fp8_min_dim=16, calibration_data=samples)
+    figures = facts(next(n for n in gm.graph.nodes if n.name == "linear"))["fp8_calibration"]
+    want = max(x.abs().max().item() for (x,) in samples)   # no dropout: the samples' own amax (bf16-rounded)
+    assert figures["x_amax"] == pytest.approx(want, rel=2 ** -8)   # dropout (x2 kept values) would double it
+    assert torch.equal(torch.get_rng_state(), state)   # neither calibration (ranges, fp8) draws from the RNG
+
+
 class WithBatchNorm(nn.Module):
     def __init__(self):
         super().__init__()

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from amp_compiler.passes.fx.decide_precision import module_path
+from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.painting.calibrate_ranges import (RangeTotals, calibration_sample, check_calibration_data,
                                                            progress, value_stats)
 from amp_compiler.passes.policy.numerics import dtype_name
@@ -42,7 +43,21 @@ def record_ranges(gm: fx.GraphModule, samples: Iterable, low_dtype: torch.dtype)
     return PassResult(modified=False, counts=totals.record())
 
 
-class _RangeRecorder(fx.Interpreter):
+DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+
+
+class EvalModeInterpreter(fx.Interpreter):
+    """Runs a graph as eval mode would: `F.dropout(x, training=self.training)` had the flag baked in at capture
+    (True for a model traced in training mode), which gm.eval() cannot undo; such a node returns its input, as
+    eval-mode dropout does, and draws nothing from the RNG. (nn.Dropout modules follow gm.eval() themselves.)"""
+
+    def run_node(self, node: fx.Node):
+        if node.op == "call_function" and facts(node).get("op") in DROPOUTS:
+            return self.env[node.args[0]] if node.args else self.env[node.kwargs["input"]]
+        return super().run_node(node)
+
+
+class _RangeRecorder(EvalModeInterpreter):
     """Keeps value_stats() of every node's float outputs."""
 
     def __init__(self, gm: fx.GraphModule, tiny: float, index: int):

@@ -32,6 +32,7 @@ from typing import Iterable
 import torch
 import torch.fx as fx
 
+from amp_compiler.passes.fx.calibrate_ranges import EvalModeInterpreter
 from amp_compiler.passes.fx.fp8_runtime import E4M3, current_scale, saturating_cast
 from amp_compiler.passes.fx.lower_fp8_matmuls import _operands
 from amp_compiler.passes.node_facts import facts
@@ -109,7 +110,7 @@ def _evaluating(gm: fx.GraphModule):
             module.training = flag
 
 
-class _OperandRecorder(fx.Interpreter):
+class _OperandRecorder(EvalModeInterpreter):
     """Measures each watched matmul's operands as the node is about to run; keeps the worst figures so far."""
 
     def __init__(self, gm: fx.GraphModule, matmuls: dict, margin: int):
