@@ -205,6 +205,41 @@ def test_delayed_eval_graph_reads_the_training_histories_and_records_nothing():
     assert eval_gm.fp8_history.linear.x is train_gm.fp8_history.linear.x and not eval_gm.fp8_history.linear.training
 
 
+class TrainingOnlyMatmul(nn.Module):
+    """Two matmuls of one module (F.linear of its own parameters); the first runs in training mode only, so the
+    training and eval graphs hold different matmuls of one module path. The tiny `aux` weight's amax is ~1000x
+    below `main`'s: one's history scaling the other saturates every e4m3 value."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.aux = nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.01)
+        self.main = nn.Parameter(torch.randn(WIDTH, WIDTH) * 10)
+
+    def forward(self, x):
+        if self.training:
+            x = x + F.linear(x, self.aux)
+        return F.linear(x, self.main)
+
+
+def test_delayed_histories_of_one_modules_matmuls_follow_their_weights_not_the_graph_order():
+    """The eval graph's only matmul is the training graph's second: keyed by graph order (_amp_fp8_history,
+    _1) it read aux's history and scaled main's weight from aux's amax (eval output 0.996 relative error: every
+    value saturated); keyed by the weight it reads, its own (0.04, fp8's error)."""
+    model = amp_compiler.convert(TrainingOnlyMatmul(), "fp8", inplace=True, fp8_scaling="delayed", fp8_history=4,
+                                 **FP8)
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(3))
+    model(x).sum().backward()
+    model.eval()
+    with torch.no_grad():
+        out = model(x).float()
+    expected = F.linear(x, model.main)
+    assert fp8_matmuls(model) == 3   # 2 in the training graph, 1 in the eval graph
+    error = ((out - expected).norm() / expected.norm()).item()
+    assert error < 0.1, f"eval output {error:.3f} from fp32"
+    assert set(histories(model)) == {f"{STATE_NAME}_{w}.{h}" for w in ("aux", "main") for h in ("x", "w", "grad")}
+
+
 # -- 2. Hugging Face generate() --------------------------------------------------------------------------------
 SPECIAL = dict(vocab_size=128, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 

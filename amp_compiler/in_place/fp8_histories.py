@@ -7,8 +7,9 @@ apart from its training graph) would read an empty history of its own. So the co
 tensors, keyed by the matmul's module path, and every graph a part captures (train, eval, another dtype) holds
 those very tensors as its Fp8History buffers:
 
-    state_dict()       adds   <module path>._amp_fp8_history.{x,w,grad}     (a second matmul of one module:
-                                                                             _amp_fp8_history_1, ...)
+    state_dict()       adds   <module path>._amp_fp8_history.{x,w,grad}     (a matmul of another parameter of
+                                                                             the module: _amp_fp8_history_<name>;
+                                                                             _histories_by_key)
     load_state_dict()  takes  them back (before any capture too: the graphs captured later start from them);
                        a history the model holds that the loaded dict lacks is a missing key (strict raises)
 
@@ -134,8 +135,12 @@ def _is_history_key(key: str) -> bool:
 
 
 def _histories_by_key(gm: torch.fx.GraphModule, part_path: str) -> dict[str, Fp8History]:
-    """{"<user's module path>.<STATE_NAME>[_n]": the graph's Fp8History} for its delayed-scaled matmuls, in
-    graph order (the n-th matmul of one module gets suffix _n)."""
+    """{"<user's module path>.<STATE_NAME>[_<weight>][_n]": the graph's Fp8History} for its delayed-scaled
+    matmuls. A matmul is named by the parameter it reads as w, not by its place in the graph: a part's graphs
+    (train, eval) may run different matmuls of one module (an `if self.training` branch), and each must get the
+    history of its own weight. The module's own `weight` (or a tied one) keeps the plain key; another of its
+    parameters adds its name (F.linear(x, self.w_in): _amp_fp8_history_w_in); a w that is no parameter (an
+    activation), or one weight read by several matmuls of the module, takes _1, _2, ... in graph order."""
     found: dict[str, Fp8History] = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.target.startswith("fp8_history."):
@@ -147,12 +152,39 @@ def _histories_by_key(gm: torch.fx.GraphModule, part_path: str) -> dict[str, Fp8
         base = f"{path}.{STATE_NAME}" if path else STATE_NAME
         if inside is None:   # no module recorded: the node's name keeps it apart
             base = f"{base}_{node.target.rsplit('.', 1)[1]}"
+        else:
+            own = _own_name(_weight_parameter(node), inside)
+            if own is not None and own != "weight":
+                base = f"{base}_{own.replace('.', '_')}"
         key, n = base, 0
         while key in found:
             n += 1
             key = f"{base}_{n}"
         found[key] = gm.get_submodule(node.target)
     return found
+
+
+def _own_name(parameter: str | None, module: str) -> str | None:
+    """`parameter`'s name inside `module` (both part-relative), or None when it is not the module's (a weight
+    tied to another module's, as an lm_head to its embedding: named by that module, the matmul keeps the plain
+    key)."""
+    if parameter is None or not module:
+        return parameter
+    return parameter.removeprefix(f"{module}.") if parameter.startswith(f"{module}.") else None
+
+
+def _weight_parameter(history_node: torch.fx.Node) -> str | None:
+    """The part-relative name of the parameter the matmul of `history_node` scales as its w operand (through
+    the casts and views before its amax), or None when w is computed (an activation)."""
+    scale = next((user for user in history_node.users if len(user.args) > 2 and user.args[2] == "w"), None)
+    amax = scale.args[0] if scale is not None else None
+    node = amax.args[0] if isinstance(amax, torch.fx.Node) and amax.args else None
+    while isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method") \
+            and len(node.all_input_nodes) == 1:
+        node = node.all_input_nodes[0]
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+        return None
+    return _user_path(node.target)
 
 
 def _user_path(module: str) -> str:
