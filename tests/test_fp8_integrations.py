@@ -240,6 +240,18 @@ def test_delayed_histories_of_one_modules_matmuls_follow_their_weights_not_the_g
     assert set(histories(model)) == {f"{STATE_NAME}_{w}.{h}" for w in ("aux", "main") for h in ("x", "w", "grad")}
 
 
+def test_delayed_histories_of_another_length_are_refused_before_any_capture_too():
+    """A checkpoint of fp8_history=4 loaded into a fresh fp8_history=8 conversion (no graph yet): the load said
+    'All keys matched', then every capture refused the loaded histories and the model ran as written, in fp32,
+    with no word. Now the load fails as it does after a capture, strict or not."""
+    saved = amp_compiler.convert(Mlp(), "fp8", inplace=True, fp8_scaling="delayed", fp8_history=4, **FP8)
+    train(saved, batches(1), torch.optim.SGD(saved.parameters(), lr=0.1))
+    for strict in (True, False):
+        fresh = amp_compiler.convert(Mlp(), "fp8", inplace=True, fp8_scaling="delayed", fp8_history=8, **FP8)
+        with pytest.raises(RuntimeError, match=f"fc1.{STATE_NAME}.x: 4 calls in the checkpoint, 8 in this conv"):
+            fresh.load_state_dict(saved.state_dict(), strict=strict)
+
+
 # -- 2. Hugging Face generate() --------------------------------------------------------------------------------
 SPECIAL = dict(vocab_size=128, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 

@@ -80,13 +80,17 @@ class Fp8HistoryStore:
                 error_msgs.append(f"fp8 amax history {prefix}{key}: has {sorted(values)}, needs {list(HISTORIES)}")
                 continue
             shared = self.tensors.get(key)
+            wrong_length = [name for name, value in values.items() if value.numel() != _conversion_length(module)]
+            if shared is None and wrong_length:   # the graph captured later could not take it (bind refuses)
+                error_msgs.extend(_length_error(f"{prefix}{key}.{name}", values[name], _conversion_length(module))
+                                  for name in wrong_length)
+                continue
             if shared is None:   # not captured yet: the graph captured later takes these
                 self.tensors[key] = {name: value.detach().clone().float() for name, value in values.items()}
                 continue
             for name, value in values.items():
                 if value.shape != shared[name].shape:
-                    error_msgs.append(f"fp8 amax history {prefix}{key}.{name}: {value.numel()} calls in the "
-                                      f"checkpoint, {shared[name].numel()} in this conversion (fp8_history)")
+                    error_msgs.append(_length_error(f"{prefix}{key}.{name}", value, shared[name].numel()))
                     continue
                 with torch.no_grad():
                     shared[name].copy_(value)
@@ -117,6 +121,16 @@ def load_histories(model: nn.Module, histories: dict | None) -> None:
     store.take_from_state_dict(model, dict(histories), "", {}, True, [], [], errors)
     if errors:
         raise RuntimeError("loading fp8 amax histories: " + "; ".join(errors))
+
+
+def _length_error(key: str, loaded: torch.Tensor, length: int) -> str:
+    return f"fp8 amax history {key}: {loaded.numel()} calls in the checkpoint, {length} in this conversion " \
+           "(fp8_history)"
+
+
+def _conversion_length(model: nn.Module) -> int:
+    """The fp8_history of `model`'s in-place conversion: the length of the histories its graphs hold."""
+    return model.__dict__["_amp_in_place"].config.fp8.history
 
 
 class _Hook:
