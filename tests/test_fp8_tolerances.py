@@ -6,6 +6,8 @@ compare.py); anything else keeps its dtype's default (fp16 1e-2, bf16 5e-2, ONNX
 fp8 graph is fp32 itself (the matmul on its high-precision operands, each fp8 copy as its exact scaled value):
 the outputs' error is measured here independently of compare(), and a scale broken on purpose must still fail.
 """
+import math
+
 import numpy as np
 import onnx
 import pytest
@@ -190,3 +192,32 @@ def test_a_quantize_to_float8_by_its_zero_point_counts_as_fp8():
     plain = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", graph.input,
                                                 graph.output), opset_imports=[helper.make_opsetid("", 19)])
     assert default_onnx_rtol(ir.serde.deserialize_model(plain)) == (1e-2, "default")
+
+
+def test_a_weight_only_fp8_file_with_its_float8_weight_in_a_constant_node_counts_as_fp8(tmp_path):
+    """DequantizeLinear of a float8 weight a Constant node holds (tools that fold initializers into Constants
+    write it so), activations float16, no QuantizeLinear: it computes in float8, but only float8 initializers
+    were counted, so the correct file got 1e-2 and failed (output 0.03 of scale)."""
+    from amp_compiler.onnx.validate import validate_onnx
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((64, 64)).astype(np.float32)
+    scale = 2.0 ** math.ceil(math.log2(np.abs(weight).max() / 448))
+    f8 = helper.make_tensor("w8", onnx.TensorProto.FLOAT8E4M3FN, weight.shape, (weight / scale).ravel().tolist())
+    x_info = [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [8, 64])]
+    y_info = [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [8, 64])]
+    nodes = [helper.make_node("Constant", [], ["w8"], value=f8),
+             helper.make_node("DequantizeLinear", ["w8", "s"], ["w16"]),
+             helper.make_node("Cast", ["x"], ["x16"], to=onnx.TensorProto.FLOAT16),
+             helper.make_node("MatMul", ["x16", "w16"], ["y16"]),
+             helper.make_node("Cast", ["y16"], ["y"], to=onnx.TensorProto.FLOAT)]
+    files = {}
+    for name, graph in (("fp8", helper.make_graph(nodes, "g", x_info, y_info,
+                                                  [numpy_helper.from_array(np.array(scale, np.float16), "s")])),
+                        ("fp32", helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", x_info,
+                                                   y_info, [numpy_helper.from_array(weight, "w")]))):
+        files[name] = tmp_path / f"{name}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10),
+                  str(files[name]))
+    report = validate_onnx(files["fp8"], files["fp32"], (torch.randn(8, 64),))
+    assert (report.rtol, report.rtol_from) == (FP8_RTOL, "fp8 default: 1 float8 weight") and report.passed
+    assert report.outputs[0].max_rel > 0.01   # fp8's error, past the float16 default

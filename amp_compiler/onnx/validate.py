@@ -159,13 +159,26 @@ def default_onnx_rtol(model: ir.Model) -> tuple[float, str]:
     """(validate_onnx's rtol for `model`, why): FP8_RTOL when it computes in float8 (what export_onnx /
     convert_onnx write at level fp8: FLOAT8E4M3FN weights, QuantizeLinear to float8 by output_dtype or by a
     float8 zero point), else DEFAULT_RTOL."""
-    weights = sum(1 for value in model.graph.initializers.values() if value.dtype in FLOAT8_TYPES)
+    weights = _float8_weights(model)
     quantizers = sum(1 for node in model.graph.all_nodes() if node.op_type == "QuantizeLinear" and _to_float8(node))
     if not weights and not quantizers:
         return DEFAULT_RTOL, "default"
     found = [f"{count} {what}" for count, what in ((weights, "float8 weight" + "s" * (weights != 1)),
                                                   (quantizers, "QuantizeLinear to float8")) if count]
     return FP8_RTOL, f"fp8 default: {', '.join(found)}"
+
+
+def _float8_weights(model: ir.Model) -> int:
+    """float8 tensors the model stores: initializers (its subgraphs' too) and Constant nodes' values (a tool
+    that folds initializers into Constants leaves a weight-only fp8 file with no float8 initializer)."""
+    graphs = [model.graph, *(sub for node in model.graph.all_nodes() for attr in node.attributes.values()
+                             if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+                             for sub in (attr.value if attr.type == ir.AttributeType.GRAPHS else [attr.value]))]
+    stored = sum(1 for graph in graphs for value in graph.initializers.values() if value.dtype in FLOAT8_TYPES)
+    constants = sum(1 for node in model.graph.all_nodes()
+                    if node.op_type == "Constant" and node.domain in ("", "ai.onnx")
+                    and (value := node.attributes.get("value")) is not None and value.value.dtype in FLOAT8_TYPES)
+    return stored + constants
 
 
 def _to_float8(node: ir.Node) -> bool:
