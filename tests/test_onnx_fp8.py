@@ -205,6 +205,28 @@ def test_convert_onnx_with_calibration_writes_a_static_scale(tmp_path):
     assert relative(run_onnx(tmp_path / "fp8.onnx", x), model(x).detach().numpy()) < FP8_ERROR
 
 
+@pytest.mark.parametrize("how", ["export_onnx", "convert_onnx"])
+def test_an_activation_calibrated_all_zero_gets_a_computed_scale(tmp_path, how):
+    """Samples on which x is 0 everywhere measure amax 0: no range. A static scale from it (the smallest) made
+    every later nonzero x saturate near 0. Computed instead. (No biases: relu(a(0)) is 0 too; with biases the
+    zeros measure relu(bias), a real amax whose static scale saturates on x, as calibration means it to.)"""
+    model, x = model_and_input()
+    for linear in (model.a, model.b, model.c):
+        nn.init.zeros_(linear.bias)
+    zeros = [(torch.zeros(2, 8, 32),)]
+    if how == "export_onnx":
+        report = amp_compiler.export_onnx(model, (x,), tmp_path / "m.onnx", "fp8", fp8_min_dim=16,
+                                          calibration_data=zeros)
+    else:
+        amp_compiler.export_onnx(model, (x,), tmp_path / "fp32.onnx", "O0")
+        report = amp_compiler.convert_onnx(tmp_path / "fp32.onnx", tmp_path / "m.onnx", "fp8", fp8_min_dim=16,
+                                           calibration_data=zeros)
+    error = relative(run_onnx(tmp_path / "m.onnx", x), model(x).detach().numpy())
+    assert FP8_RAN < error < FP8_ERROR, error
+    counts = report.pass_counts["lower_fp8_matmuls"]
+    assert (counts["static_scales"], counts["computed_scales"]) == (0, 2)
+
+
 def test_export_with_calibration_writes_static_scales(tmp_path):
     model, x = model_and_input()
     samples = [(torch.randn(2, 8, 32),) for _ in range(4)]

@@ -21,7 +21,10 @@ explicit nodes on each run (current scaling):
 or, where calibration measured x, a static initializer (the same formula on the measured amax):
 convert_onnx(calibration_data=...) records max |x| over the samples at the node that produced x (a graph
 input is not measured); export_onnx(calibration_data=...) passes convert()'s measure of each fp8 matmul's x
-(facts "fp8_calibration") through its marker op.
+(facts "fp8_calibration") through its marker op. A measured amax of 0 (x was all zeros on every sample: a
+branch the samples never reached) says nothing of x's range, so its scale is computed (as fx's delayed history
+reads an entry of 0 as nothing recorded): a static scale from it, the smallest, saturated every later nonzero x
+to ~3e-5 (output 1.00 relative error). A calibrated amax the run exceeds saturates as calibration means it to.
 sx is the dequantizing scale, 1 / fx's quantizing one; an inf or NaN amax gives an inf/NaN scale, so the
 product is NaN, as fx's scale 0 makes it. QuantizeLinear to a float8 type saturates by default
 (saturate=1: a value past 448 * sx becomes +-448, not NaN): the same saturating cast as fp8_runtime.py.
@@ -91,7 +94,7 @@ def marker_amax(node: ir.Node) -> float | None:
         amax = float(match.group(1).rsplit(",", 1)[-1]) if match else NO_AMAX
     except ValueError:
         return None
-    return amax if amax >= 0 and math.isfinite(amax) else None
+    return amax if amax > 0 and math.isfinite(amax) else None   # 0: no range was seen (module docstring)
 
 
 def _matrix(value: ir.Value | None) -> tuple[int, int] | None:
@@ -260,7 +263,7 @@ def _calibrated_amax(value: ir.Value) -> float | None:
         return None
     measured = facts(producer).get("range") or {}
     amax = measured.get("max_abs")
-    return float(amax) if amax is not None and math.isfinite(amax) else None
+    return float(amax) if amax is not None and math.isfinite(amax) and amax > 0 else None
 
 
 def lower_onnx_fp8_matmuls(model: ir.Model, options: Fp8Options, low: ir.DataType, *, exported: bool) -> PassResult:
