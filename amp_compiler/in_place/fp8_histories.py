@@ -9,7 +9,8 @@ those very tensors as its Fp8History buffers:
 
     state_dict()       adds   <module path>._amp_fp8_history.{x,w,grad}     (a matmul of another parameter of
                                                                              the module: _amp_fp8_history_<name>;
-                                                                             _histories_by_key)
+                                                                             one weight read twice: ..._0of2,
+                                                                             ..._1of2; _histories_by_key)
     load_state_dict()  takes  them back (before any capture too: the graphs captured later start from them);
                        a history the model holds that the loaded dict lacks is a missing key (strict raises)
 
@@ -19,6 +20,7 @@ training-mode graphs record, eval graphs read what training recorded.
 """
 from __future__ import annotations
 
+import collections
 import warnings
 
 import torch
@@ -149,13 +151,15 @@ def _is_history_key(key: str) -> bool:
 
 
 def _histories_by_key(gm: torch.fx.GraphModule, part_path: str) -> dict[str, Fp8History]:
-    """{"<user's module path>.<STATE_NAME>[_<weight>][_n]": the graph's Fp8History} for its delayed-scaled
+    """{"<user's module path>.<STATE_NAME>[_<weight>][_<i>of<n>]": the graph's Fp8History} for its delayed-scaled
     matmuls. A matmul is named by the parameter it reads as w, not by its place in the graph: a part's graphs
     (train, eval) may run different matmuls of one module (an `if self.training` branch), and each must get the
     history of its own weight. The module's own `weight` (or a tied one) keeps the plain key; another of its
-    parameters adds its name (F.linear(x, self.w_in): _amp_fp8_history_w_in); a w that is no parameter (an
-    activation), or one weight read by several matmuls of the module, takes _1, _2, ... in graph order."""
-    found: dict[str, Fp8History] = {}
+    parameters adds its name (F.linear(x, self.w_in): _amp_fp8_history_w_in). Where one name is read by n > 1
+    matmuls of a graph (a Linear called twice; a w that is no parameter), the i-th in graph order is _<i>of<n>:
+    graphs that call it as often share them, and one that calls it another number of times (an eval graph
+    without the training-only call) cannot be paired call by call, so it shares none of them."""
+    bases: list[tuple[str, Fp8History]] = []
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.target.startswith("fp8_history."):
             continue
@@ -170,11 +174,14 @@ def _histories_by_key(gm: torch.fx.GraphModule, part_path: str) -> dict[str, Fp8
             own = _own_name(_weight_parameter(node), inside)
             if own is not None and own != "weight":
                 base = f"{base}_{own.replace('.', '_')}"
-        key, n = base, 0
-        while key in found:
-            n += 1
-            key = f"{base}_{n}"
-        found[key] = gm.get_submodule(node.target)
+        bases.append((base, gm.get_submodule(node.target)))
+    counts = collections.Counter(base for base, _ in bases)
+    seen: collections.Counter = collections.Counter()
+    found: dict[str, Fp8History] = {}
+    for base, history in bases:
+        key = base if counts[base] == 1 else f"{base}_{seen[base]}of{counts[base]}"
+        seen[base] += 1
+        found[key] = history
     return found
 
 
