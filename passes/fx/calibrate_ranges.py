@@ -21,7 +21,7 @@ from amp_compiler.passes.fx.decide_precision import module_path
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.painting.calibrate_ranges import (RangeTotals, calibration_sample, check_calibration_data,
                                                            progress, value_stats)
-from amp_compiler.passes.policy.numerics import dtype_name
+from amp_compiler.passes.policy.numerics import DROPOUTS, dtype_name
 from amp_compiler.passes.runner import PassResult
 
 
@@ -41,9 +41,6 @@ def record_ranges(gm: fx.GraphModule, samples: Iterable, low_dtype: torch.dtype)
         for module, flag in flags.items():
             module.training = flag
     return PassResult(modified=False, counts=totals.record())
-
-
-DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
 
 
 class EvalModeInterpreter(fx.Interpreter):

@@ -60,6 +60,9 @@ IN_PLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv",
 # fx/decide_precision.py: in-place ops (with the policy's "activation" family) whose only float operand is the
 # tensor they write: painting joins their readers to it (bn -> relu_ -> conv paints as bn -> conv)
 UNARY_IN_PLACE_OPS = frozenset({"relu", "relu6", "dropout", "hardtanh"})
+# fx/calibrate_ranges.py (and measure_fp8_operands): dropouts whose `training` flag fx baked in at capture;
+# calibration runs them as eval mode does (their input), drawing nothing from the RNG
+DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"})
 # fx/out_of_place_activations.py (export_onnx): in-place activation modules made out of place, so that painting
 # does not cut conv -> relu_ -> conv chains; exact types: the forward is torch.nn's own
 ACTIVATION_MODULES = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.SiLU, nn.Mish,
