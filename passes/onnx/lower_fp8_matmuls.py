@@ -270,8 +270,9 @@ def lower_onnx_fp8_matmuls(model: ir.Model, options: Fp8Options, low: ir.DataTyp
     """Lower the qualifying matmuls (module docstring); every low MatMul/Gemm convert_onnx painted gets its fp8
     rule. Counts: fp8 (lowered), kept (low matmuls left in `low`), static_scales / computed_scales
     (activation scales from calibration / computed in the graph), weights_e4m3 (weights stored float8)."""
-    if options.scaling != "current":   # as the fx pass: never write another recipe than the one asked
-        raise NotImplementedError(f"fp8_scaling={options.scaling!r} has no ONNX form; 'current' does")
+    if options.scaling != "current":   # the entry points refuse it first (onnx/convert.py onnx_config); a direct
+        raise ValueError(f"fp8_scaling={options.scaling!r} has no ONNX form (no amax history or row-wise scales "
+                         "in a file); 'current' does")   # caller must not get another recipe than the one asked
     if model.opset_imports.get("", 1) < FP8_OPSET:
         raise ValueError(f"fp8 in ONNX needs opset >= {FP8_OPSET} (QuantizeLinear's output_dtype); the model has "
                          f"{model.opset_imports.get('', 1)}: fp8_opset(model) raises it")
