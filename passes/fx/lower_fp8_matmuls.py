@@ -34,6 +34,7 @@ bf16 when
 from __future__ import annotations
 
 import operator
+from functools import reduce
 
 import torch
 import torch.fx as fx
@@ -79,13 +80,6 @@ def _operands(node: fx.Node) -> tuple | None:
     return None
 
 
-def _fetch(gm: fx.GraphModule, target: str):
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def _shape(gm: fx.GraphModule, value) -> tuple | None:
     """The shape the tracer recorded for `value`, looking through casts to a parameter; None if unknown."""
     while isinstance(value, fx.Node):
@@ -93,7 +87,7 @@ def _shape(gm: fx.GraphModule, value) -> tuple | None:
         if isinstance(recorded, torch.Tensor):
             return tuple(recorded.shape)
         if value.op == "get_attr":
-            attribute = _fetch(gm, value.target)
+            attribute = reduce(getattr, value.target.split("."), gm)   # as constant_range.py
             return tuple(attribute.shape) if isinstance(attribute, torch.Tensor) else None
         value = value.args[0] if is_cast(value) else None
     return None
