@@ -2,6 +2,12 @@
 converted in place with frozen weight copies (freeze=True), and those copies oneDNN-packed for the linears
 (amp_compiler.frozen.pack_linears). Greedy, KV cache on; alternated runs, medians.
 
+Every variant runs as users run it: the whole decode under `torch.no_grad()` (what `generate()` uses), and
+autocast entered once around it, `with torch.autocast(...): model.generate(...)`, so autocast's weight-cast
+cache lives for the whole call (15 weight casts for 15 linears over a decode, not 15 per token). Entering
+autocast per forward, or running under `inference_mode` (where autocast caches nothing), times an autocast
+no user runs and flatters every other variant.
+
     python benchmarks/bench_decode.py [--batches 1,8] [--repeats 7] [--vocab 8000] [--threads 2]
     python benchmarks/bench_decode.py --profile frozen --batches 1     # cProfile of the decode steps, top rows
 
@@ -9,10 +15,12 @@ Each run: one prefill forward over the prompt (its time is the "prefill" column)
 one token each reading the KV cache (their mean is "decode ms/token"). The same greedy loop for every
 variant, written out here rather than generate(), so its bookkeeping is no part of either figure.
 The in-place models are warmed first: their parts capture on the first call of each kind (prefill, decode).
+The "generate ms" column times `model.generate(max_new_tokens=--new)` itself, end to end, in the same contexts.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import cProfile
 import io
@@ -47,53 +55,70 @@ def llama(vocab: int, hidden: int, intermediate: int, layers: int, heads: int):
 
 
 def variants(model) -> dict:
-    """name -> a callable model(input_ids, past_key_values=...) -> logits; each in-place one is a copy."""
-    def autocast_call(*args, **kwargs):
-        with torch.autocast("cpu", dtype=LOW):
-            return model(*args, **kwargs)
+    """name -> (model, the context the whole decode runs in); each in-place one is a copy."""
+    def autocast_region():
+        return torch.autocast("cpu", dtype=LOW)   # once around the decode, as around generate()
 
     in_place = amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True)
     frozen = amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True, freeze=True)
     packed = pack_linears(
         amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True, freeze=True))
-    return dict(zip(VARIANTS, (model, autocast_call, in_place, frozen, packed)))
+    plain = contextlib.nullcontext
+    return dict(zip(VARIANTS, ((model, plain), (model, autocast_region), (in_place, plain), (frozen, plain),
+                               (packed, plain))))
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def greedy(run, prompt: torch.Tensor, new: int, config, clock=time.perf_counter) -> tuple[list[float], torch.Tensor]:
-    """Milliseconds of each forward (the first is the prefill) and the generated tokens."""
+def greedy(variant, prompt: torch.Tensor, new: int, config, clock=time.perf_counter) -> tuple[list[float], torch.Tensor]:
+    """Milliseconds of each forward (the first is the prefill) and the generated tokens; the variant's context
+    (autocast) and no_grad are entered once around the whole loop, as generate() runs."""
     from transformers import DynamicCache
+    run, region = variant
     cache, ids, times, tokens = DynamicCache(config=config), prompt, [], []
-    for _ in range(new):
-        start = clock()
-        logits = run(input_ids=ids, past_key_values=cache, use_cache=True).logits
-        ids = logits[:, -1].argmax(-1, keepdim=True)
-        times.append((clock() - start) * 1e3)
-        tokens.append(ids)
+    with torch.no_grad(), region():
+        for _ in range(new):
+            start = clock()
+            logits = run(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            ids = logits[:, -1].argmax(-1, keepdim=True)
+            times.append((clock() - start) * 1e3)
+            tokens.append(ids)
     return times, torch.cat(tokens, 1)
 
 
+def generate_ms(variant, prompt: torch.Tensor, new: int, clock=time.perf_counter) -> float:
+    """Milliseconds of one `model.generate()` call, greedy, inside the variant's context."""
+    run, region = variant
+    start = clock()
+    with region():
+        run.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
+                     do_sample=False, pad_token_id=0)
+    return (clock() - start) * 1e3
+
+
 def measure(runs: dict, prompt, new: int, repeats: int, config, clock) -> tuple[dict, dict]:
-    """name -> (median prefill ms, median decode ms/token); name -> tokens (to compare with fp32's)."""
+    """name -> (median prefill ms, median decode ms/token, median generate ms); name -> tokens (vs fp32's)."""
     prefill = {name: [] for name in runs}
     decode = {name: [] for name in runs}
+    whole = {name: [] for name in runs}
     tokens = {}
-    with torch.inference_mode():
-        for name, run in runs.items():   # warm-up: captures, frozen copies, allocator
-            greedy(run, prompt, new, config)
-        for _ in range(repeats):         # alternated: drift hits every variant alike
-            for name, run in runs.items():
-                times, tokens[name] = greedy(run, prompt, new, config, clock)
-                prefill[name].append(times[0])
-                decode[name].append(statistics.mean(times[1:]))
-    return {name: (statistics.median(prefill[name]), statistics.median(decode[name])) for name in runs}, tokens
+    for name, run in runs.items():   # warm-up: captures, frozen copies, allocator
+        greedy(run, prompt, new, config)
+        generate_ms(run, prompt, new)
+    for _ in range(repeats):         # alternated: drift hits every variant alike
+        for name, run in runs.items():
+            times, tokens[name] = greedy(run, prompt, new, config, clock)
+            prefill[name].append(times[0])
+            decode[name].append(statistics.mean(times[1:]))
+            whole[name].append(generate_ms(run, prompt, new, clock))
+    return {name: (statistics.median(prefill[name]), statistics.median(decode[name]),
+                   statistics.median(whole[name])) for name in runs}, tokens
 
 
 def part_counts(model) -> str:
     """graphs / as written / both, over the parts of an in-place converted model."""
-    parts = in_place_conversion(model).parts.values()
+    parts = in_place_conversion(model[0]).parts.values()
     graphs = sum(1 for p in parts if p.graphs and not p.as_written)
     written = sum(1 for p in parts if p.as_written and not p.graphs)
     return f"{graphs} graphs / {written} as written" + (f" / {len(parts) - graphs - written} both"
@@ -101,12 +126,11 @@ def part_counts(model) -> str:
 
 
 def profile(run, prompt, new: int, config, top: int) -> str:
-    with torch.inference_mode():
-        greedy(run, prompt, new, config)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        greedy(run, prompt, new, config)
-        profiler.disable()
+    greedy(run, prompt, new, config)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    greedy(run, prompt, new, config)
+    profiler.disable()
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
@@ -151,22 +175,23 @@ def main() -> None:
             continue
         ms, tokens = measure(runs, prompt, args.new, args.repeats, model.config, CLOCKS[args.clock])
         for name in VARIANTS:
-            prefill, decode = ms[name]
+            prefill, decode, whole = ms[name]
             same = (tokens[name] == tokens["fp32"]).float().mean().item()
             rows.append([str(batch), name, f"{prefill:.2f}", f"{decode:.2f}", f"{decode / ms['fp32'][1]:.2f}",
                          f"{decode / ms['autocast'][1]:.2f}", f"{prefill / ms['autocast'][0]:.2f}",
-                         f"{same:.0%}"])
+                         f"{whole:.1f}", f"{whole / ms['autocast'][2]:.2f}", f"{same:.0%}"])
             print("  ".join(rows[-1]), flush=True)
     if args.profile:
         return
     params = sum(p.numel() for p in model.parameters()) / 1e6
     markdown(f"decode latency, Llama {args.layers}x{args.hidden} (intermediate {args.intermediate}, {args.heads} "
              f"heads, vocab {args.vocab}, {params:.1f}M parameters), bf16 on CPU, "
-             f"{args.threads} thread(s), {args.clock} clock, prompt {args.prompt}, {args.new} new tokens greedy, KV cache; median of {args.repeats} alternated "
-             f"runs", ["batch", "variant", "prefill ms", "decode ms/token", "decode vs fp32", "decode vs autocast",
-                       "prefill vs autocast", "tokens = fp32's"], rows)
+             f"{args.threads} thread(s), {args.clock} clock, prompt {args.prompt}, {args.new} new tokens greedy, KV cache, under no_grad with autocast "
+             f"entered once around each decode (as around generate()); median of {args.repeats} alternated runs",
+             ["batch", "variant", "prefill ms", "decode ms/token", "decode vs fp32", "decode vs autocast",
+              "prefill vs autocast", "generate ms", "generate vs autocast", "tokens = fp32's"], rows)
     for name in VARIANTS[2:]:
-        print(f"\n{name}: {part_counts(runs[name])}, frozen copies {amp_compiler.frozen_bytes(runs[name]) / 1e6:.1f} "
+        print(f"\n{name}: {part_counts(runs[name])}, frozen copies {amp_compiler.frozen_bytes(runs[name][0]) / 1e6:.1f} "
               f"MB (fp32 parameters {params * 4:.1f} MB)")
 
 
