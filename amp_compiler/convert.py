@@ -33,6 +33,8 @@ from amp_compiler.passes.fx.constant_range import (constants_beyond_range, magni
 from amp_compiler.passes.fx.cast_after_layout_ops import cast_after_layout_ops
 from amp_compiler.passes.fx.decide_precision import decide_fx_precision
 from amp_compiler.passes.fx.coordinates import keep_fx_coordinates_fp32
+from amp_compiler.passes.fx.explicit_upcasts import keep_fx_upcasts_fp32
+from amp_compiler.passes.fx.hand_written_norms import keep_fx_hand_written_norms_fp32
 from amp_compiler.passes.fx.fold_casts import count_casts, fold_casts
 from amp_compiler.passes.fx.fused_attention_masks import fused_attention_masks
 from amp_compiler.passes.fx.promote_in_kernel import promote_in_kernel
@@ -188,7 +190,10 @@ def _decide(state: FxState) -> PassResult:
     coordinates = keep_fx_coordinates_fp32(state.gm)   # positions from arange (RAFT's coords) stay fp32
     phases = keep_phases_fp32({n.name: facts(n).get("op") for n in state.gm.graph.nodes}.get)   # sin/cos arguments
     routing = keep_routing_fp32(state.gm)   # top-k scores and scatter-add buffers (MoE routing) stay fp32
-    hooks = (constants, coordinates, phases, routing, *calibrated_hooks(state.gm.graph.nodes, state.low))   # calibrated: the ranges decide too
+    upcasts = keep_fx_upcasts_fp32(state.gm)   # the model's own .to(float32): what computes on it stays fp32
+    norms = keep_fx_hand_written_norms_fp32(state.gm, rules.norm_kept_fp32())   # pow -> mean -> rsqrt: a norm
+    hooks = (upcasts, norms, constants, coordinates, phases, routing,
+             *calibrated_hooks(state.gm.graph.nodes, state.low))   # calibrated: the ranges decide too
     placement = FxCastPlacement(state.gm, rules, state.config.keep_io_types, state.config.placement_method) \
         if state.config.cast_placement else None
     result = decide_fx_precision(state.gm, rules, painted=(*hooks, placement) if placement else hooks)

@@ -93,3 +93,17 @@ COORDINATE_SAMPLERS = frozenset({"grid_sample", "grid_sampler"})
 EVERY_INPUT_IS_DATA = frozenset({"cat", "max", "min", "maximum", "minimum"})
 # painting/keep_phases_fp32.py: periodic ops whose argument (a phase) stays fp32 (bf16 holds 1000 in steps of 4)
 PERIODIC_OPS = frozenset({"sin", "cos"})
+
+# painting/keep_norms_fp32.py: a norm written by hand (Llama's RMSNorm, T5LayerNorm, BERT's LayerNorm in older
+# code) is these ops in a row; found by shape, the level's norm rule keeps them fp32 as it keeps nn.LayerNorm
+NORM_SQUARES = frozenset({"pow", "square"})            # x.pow(2) (or mul(x, x)): the second moment's square
+NORM_MEANS = frozenset({"mean"})                       # .mean(-1, keepdim=True): the moment (and the centre)
+NORM_SPREADS = frozenset({"var", "std"})               # x.var(-1, unbiased=False), x.std(-1): the moment at once
+NORM_ROOTS = frozenset({"sqrt", "rsqrt"})              # the root of the moment
+NORM_STATISTIC_STEPS = frozenset({"add", "clamp", "clamp_min", "reciprocal", "div"})   # + eps, 1 / root
+NORM_NORMALISERS = frozenset({"mul", "div"})           # x * rsqrt(...), (x - mean) / sqrt(...)
+NORM_CENTRING = frozenset({"sub"})                     # x - x.mean(-1, keepdim=True): a LayerNorm, not an RMSNorm
+
+# painting/keep_upcasts_fp32.py: the model's own casts; one to float32 of a float value is an upcast the model
+# asks for (LlamaRMSNorm's hidden_states.to(torch.float32)), honoured at every level as autocast and Apex O2 do
+USER_CASTS = frozenset({"to", "float", "type", "type_as", "double", "half", "bfloat16"})

@@ -93,6 +93,13 @@ class PrecisionRules:
             return self.table[op]
         return "deny", "unknown", f"unknown op {op!r}: kept fp32 (add it to allow_ops/infer_ops/clear_ops)"
 
+    def norm_kept_fp32(self) -> str | None:
+        """Why this conversion keeps a norm fp32 (a norm written by hand, painting/keep_norms_fp32.py), or None
+        where it runs norms low: the rule rms_norm gets, the norm no kernel mixes (O1: the policy's deny, O2:
+        keep_batchnorm_fp32; O3, keep_batchnorm_fp32=False at O2 or allow_ops=["rms_norm"]: low)."""
+        op_class, _, reason = self.classify("rms_norm")
+        return reason if op_class == "deny" else None
+
     def keeps_fp32_weights(self, op: str) -> bool:
         """Whether a low-precision `op` reads its weights in fp32 (a mixed norm kernel, where the level lowers norms)."""
         return self.keep_norm_fp32 and op in level_of(self.level).mixed_norms
