@@ -67,9 +67,11 @@ def test_optional_arguments_are_traced_with_their_default_unless_given():
     x, mask = torch.randn(2, 4), torch.rand(2, 4) > 0.5
     model = OptionalMask()
     gm = convert(model, "O1")
-    assert_close_to_fp32(gm(x, 3.0), model(x, 3.0), torch.float16)  # numbers stay live inputs
-    assert "traced with mask=None" in str(explain(gm))
-    with pytest.raises(AssertionError, match="mask has been specialized to have value None"):
+    assert_close_to_fp32(gm(x, 2.0), model(x, 2.0), torch.float16)
+    assert "traced with scale=2.0, mask=None baked in" in str(explain(gm))   # Python values: constants, as in export
+    with pytest.raises(AssertionError, match="scale=2.0 baked in"):
+        gm(x, 3.0)
+    with pytest.raises(AssertionError, match="mask=None baked in"):
         gm(x, 2.0, mask)
     gm = convert(model, "O1", example_inputs=(x, 2.0, mask))
     assert_close_to_fp32(gm(x, 2.0, mask), model(x, 2.0, mask), torch.float16)

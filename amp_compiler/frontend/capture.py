@@ -11,6 +11,7 @@ capture owns: graph passes before compilation (fold_batch_norms) may replace mod
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +22,8 @@ from amp_compiler.frontend.errors import TracingError, user_frame
 from amp_compiler.frontend.example_inputs import check_input_count
 from amp_compiler.frontend.export_capture import export_failure, export_graph, parameters_read_as_constants
 from amp_compiler.frontend.integrations import prepare_for_export
-from amp_compiler.frontend.fx_capture import AmpTracer, is_leaf_module, optional_arguments, restore_output_type
+from amp_compiler.frontend.fx_capture import (AmpTracer, baked_arguments, baked_in_place, is_leaf_module,
+                                              restore_output_type)
 from amp_compiler.frontend.hooks import hook_kinds, hooked_modules, move_root_hooks, user_hooks_silenced
 from amp_compiler.frontend.module_tree import code_on_first_use, graph_module_on, share_module_tree, unwrap_compiled
 from amp_compiler.frontend.repeated_blocks import repeated_blocks
@@ -47,8 +49,9 @@ class CapturedGraph:
 def capture(model: nn.Module, example_inputs=None, dynamic_shapes=None) -> CapturedGraph:
     """Trace `model` once (torch.fx, else torch.export); the user's model is never changed."""
     captured = _capture(model, example_inputs, dynamic_shapes)
-    captured.model, captured.example_inputs, captured.dynamic_shapes = \
-        unwrap_compiled(model)[0], example_inputs, dynamic_shapes
+    captured.model, captured.dynamic_shapes = unwrap_compiled(model)[0], dynamic_shapes
+    if captured.example_inputs is None:   # fx sets them: one value per graph input
+        captured.example_inputs = example_inputs
     return captured
 
 
@@ -93,7 +96,7 @@ def _capture(model: nn.Module, example_inputs, dynamic_shapes) -> CapturedGraph:
     check_input_count(model, example_inputs)
     root = share_module_tree(model)
     tracer = AmpTracer()
-    concrete = optional_arguments(root, example_inputs)
+    concrete = baked_arguments(root, example_inputs)
     try:
         with training_reads_recorded(root, skip=is_leaf_module) as reads:   # leaves follow train()/eval()
             tracer.training_reads = reads
@@ -115,15 +118,30 @@ def _capture(model: nn.Module, example_inputs, dynamic_shapes) -> CapturedGraph:
             node.type = None
         if node.op == "call_module" and hook_kinds(root.get_submodule(node.target)):
             facts(node)["hooks"] = hook_kinds(root.get_submodule(node.target))   # never lowered: they fire
+    baked_in_place(graph, concrete, type(model).__name__)
     restore_output_type(graph, tracer.output_spec)
     gm = code_on_first_use(graph_module_on(root, graph, type(model).__name__ + "Amp", generate_code=False))
     move_root_hooks(root, gm)
     leaves = sorted({n.target for n in graph.nodes if n.op == "call_module"})
-    notes += [f"traced with {name}={value!r}; calls that pass another value raise (give it in example_inputs "
-              "to trace it as an input)" for name, value in concrete.items()]
+    if concrete:
+        notes.append(f"traced with {', '.join(f'{name}={value!r}' for name, value in concrete.items())} baked in "
+                     "(Python values are constants of the graph); a call that passes another value raises (convert "
+                     "again with it in example_inputs)")
     notes += [f"opaque, runs as written: {where}: {why}" for where, why in tracer.opaque.items()]
     return CapturedGraph(gm, "fx.symbolic_trace", leaves, notes, dict(tracer.opaque), hooked_modules(root),
-                       read_flags(root, tracer.training_reads))
+                       read_flags(root, tracer.training_reads),
+                       example_inputs=_with_baked_defaults(root, example_inputs, concrete))
+
+
+def _with_baked_defaults(root: nn.Module, example_inputs, baked: dict):
+    """example_inputs followed by the baked defaults of the arguments after them: a value per placeholder, so
+    fake values propagate (a forward(x, mask=None) converted with (x,) had none: the counts differed)."""
+    if example_inputs is None:
+        return None
+    rest = list(inspect.signature(root.forward).parameters.values())[len(example_inputs):]
+    if not all(p.kind == p.POSITIONAL_OR_KEYWORD and p.name in baked for p in rest):
+        return example_inputs
+    return example_inputs + tuple(baked[p.name] for p in rest)
 
 
 def _follows_mode_when_exported(module: nn.Module) -> bool:

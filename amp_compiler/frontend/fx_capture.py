@@ -204,9 +204,21 @@ def restore_output_type(graph: fx.Graph, spec) -> bool:
     names = [n.target for n in placeholders]
     if any(name.startswith("*") for name in names):
         return False   # *args/**kwargs signatures keep fx's own codegen
-    graph._codegen = fx.graph._PyTreeCodeGen(fx.graph._PyTreeInfo(names, in_spec, spec))
+    graph._codegen = _OwnOutputCodeGen(fx.graph._PyTreeInfo(names, in_spec, spec))
     output.args = (tuple(leaves),)
     return True
+
+
+class _OwnOutputCodeGen(fx.graph._PyTreeCodeGen):
+    """Unflattens the outputs into the model's container; the inputs are the forward's own, defaults kept.
+    fx's pytree codegen writes a forward with defaults as `x, mask = None, = tree_flatten_spec(...)`: a
+    SyntaxError at recompile."""
+
+    def gen_fn_def(self, free_vars, maybe_return_annotation, *, expanded_def=False):
+        return fx.graph.CodeGen.gen_fn_def(self, free_vars, maybe_return_annotation, expanded_def=expanded_def)
+
+    def process_inputs(self, *inputs):
+        return fx.graph.CodeGen.process_inputs(self, *inputs)
 
 
 def _containers(spec):
@@ -217,12 +229,36 @@ def _containers(spec):
         yield from _containers(child)
 
 
-def optional_arguments(root: nn.Module, example_inputs) -> dict:
-    """forward() arguments defaulting to None or a bool that example_inputs do not cover: they usually
-    pick a branch (`if mask is None`), which fx would otherwise trace the wrong way."""
-    covered = len(example_inputs) if example_inputs is not None else 0
-    concrete = {}
+BAKED_TYPES = (type(None), bool, int, float, str)
+
+
+def baked_arguments(root: nn.Module, example_inputs) -> dict:
+    """forward() arguments that are Python values, not tensors: the example input where given, else the
+    default. They are constants of the graph (as torch.export makes them): as placeholders they would reach
+    `if mask is None`, `isinstance(logits_to_keep, int)` or a slice as Proxies and trace the wrong branch (an
+    HF causal LM's logits came out (2, 1000) for (2, 32, 1000)). A call with another value raises
+    (baked_in_place)."""
+    given = example_inputs or ()
+    baked = {}
     for index, (name, param) in enumerate(inspect.signature(root.forward).parameters.items()):
-        if index >= covered and (param.default is None or isinstance(param.default, bool)):
-            concrete[name] = param.default
-    return concrete
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        value = given[index] if index < len(given) else param.default
+        if isinstance(value, BAKED_TYPES):
+            baked[name] = value
+    return baked
+
+
+def baked_in_place(graph: fx.Graph, baked: dict, model_name: str) -> None:
+    """The placeholders of baked arguments keep the parameter's name (fx calls them `mask_1`, so a call
+    passing `mask=` by keyword was a TypeError), and fx's checks of their value say what to do."""
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.target.endswith("_1") and node.target[:-2] in baked:
+            node.target = node.target[:-2]
+        elif node.op == "call_function" and len(node.args) == 2 and isinstance(node.args[1], str):
+            name = node.args[1].split(" has been specialized to have value ")[0]
+            if name in baked and node.args[1].startswith(name + " has been specialized"):
+                node.args = (node.args[0], f"{model_name} was converted with {name}={baked[name]!r} baked in (a "
+                             "Python value, not a tensor, is a constant of the graph) and this call passes another "
+                             f"{name}: convert again with that value in example_inputs, or convert(..., "
+                             "inplace=True), which captures a graph per value")
