@@ -27,6 +27,7 @@ from amp_compiler.onnx.report import OnnxConversionReport, count_casts, decision
 from amp_compiler.passes.onnx.calibrate_ranges import record_onnx_ranges
 from amp_compiler.passes.onnx.coordinates import keep_onnx_coordinates_fp32
 from amp_compiler.passes.onnx.decide_precision import decide_onnx_precision
+from amp_compiler.passes.onnx.hand_written_norms import keep_onnx_hand_written_norms_fp32
 from amp_compiler.passes.onnx.place_casts import OnnxCastPlacement
 from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks, check_calibration_data
 from amp_compiler.passes.policy.rules import PrecisionRules
@@ -154,7 +155,8 @@ class OnnxState:
 
 def _decide(state: OnnxState) -> PassResult:
     coordinates = keep_onnx_coordinates_fp32(state.model.graph)   # positions from Range stay fp32
-    hooks = (coordinates, *calibrated_hooks(state.model.graph, state.config.low_dtype))
+    norms = keep_onnx_hand_written_norms_fp32(state.model.graph, state.rules.norm_kept_fp32())   # as on fx
+    hooks = (norms, coordinates, *calibrated_hooks(state.model.graph, state.config.low_dtype))
     placement = OnnxCastPlacement(state.model, state.config.keep_io_types, state.config.placement_method) \
         if state.config.cast_placement else None
     result = decide_onnx_precision(state.model, state.rules, state.low,

@@ -18,6 +18,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from amp_compiler.passes.fx.decide_precision import module_path
 from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.painting.keep_upcasts_fp32 import keep_upcasts_fp32
@@ -59,4 +60,4 @@ def spelling(node: fx.Node) -> str:
 
 def keep_fx_upcasts_fp32(gm: fx.GraphModule) -> Callable[[nx.DiGraph], None]:
     return keep_upcasts_fp32([n for n in gm.graph.nodes if is_upcast(n)], lambda n: n.users,
-                             lambda n: facts(n).get("op"), is_user_cast, spelling, lambda n: n.name)
+                             lambda n: facts(n).get("op"), is_user_cast, module_path, spelling, lambda n: n.name)

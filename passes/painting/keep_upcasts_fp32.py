@@ -13,7 +13,10 @@ backward of rsqrt overflowed. autocast and Apex O2 both run what computes on an 
 which casts are the model's own to float32 of a float value), the walk takes every reader that is not a
 matmul-class op (the policy's allow class, which runs low on fp32 inputs under autocast too) and not
 outside the painting, until another cast of the model's: that one is the cast back (captured at fp32 it is
-a .to(float32) too; it starts no walk of its own). A node the user forced low stays low.
+a .to(float32) too; it starts no walk of its own). The walk stays inside the module that wrote the cast
+(its children included): torch.export reads a no-op cast's output where the source read its input (the
+decoder layer's residual add reads LlamaRMSNorm's upcast), and the residual stream is not the norm's.
+A node the user forced low stays low.
 """
 from __future__ import annotations
 
@@ -28,18 +31,20 @@ STOPS = ("allow", "ignore")   # matmul-class ops run low on an fp32 input (autoc
 
 
 def upcast_regions(upcasts: Iterable[Hashable], readers: Callable[[Hashable], Iterable[Hashable]],
-                   op: Callable[[Hashable], str | None], is_cast: Callable[[Hashable], bool]) -> dict[Hashable, Hashable]:
+                   op: Callable[[Hashable], str | None], is_cast: Callable[[Hashable], bool],
+                   module: Callable[[Hashable], str]) -> dict[Hashable, Hashable]:
     """node -> the upcast it computes on. `upcasts` in graph order; `readers(node)` the nodes that read it;
-    `is_cast(node)`: a cast of the model's (any dtype), which ends a walk."""
+    `is_cast(node)`: a cast of the model's (any dtype), which ends a walk; `module(node)`: its module path."""
     region: dict[Hashable, Hashable] = {}
     cast_backs: set = set()
     for upcast in upcasts:
         if upcast in cast_backs:
             continue
+        scope = module(upcast)
         stack = [upcast]
         while stack:
             for reader in readers(stack.pop()):
-                if reader in region or reader in cast_backs or reader == upcast:
+                if reader in region or reader in cast_backs or reader == upcast or not _inside(module(reader), scope):
                     continue
                 if is_cast(reader):
                     cast_backs.add(reader)
@@ -52,14 +57,18 @@ def upcast_regions(upcasts: Iterable[Hashable], readers: Callable[[Hashable], It
     return region
 
 
+def _inside(path: str, scope: str) -> bool:
+    return not scope or path == scope or path.startswith(scope + ".")
+
+
 def keep_upcasts_fp32(upcasts: Iterable[Hashable], readers: Callable[[Hashable], Iterable[Hashable]],
                       op: Callable[[Hashable], str | None], is_cast: Callable[[Hashable], bool],
-                      spelling: Callable[[Hashable], str], name: Callable[[Hashable], str] = str
-                      ) -> Callable[[nx.DiGraph], None]:
+                      module: Callable[[Hashable], str], spelling: Callable[[Hashable], str],
+                      name: Callable[[Hashable], str] = str) -> Callable[[nx.DiGraph], None]:
     """The hook, for one IR's nodes (see upcast_regions); `spelling(cast)` says how the model wrote it
     (".to(float32)", ".float()"), `name(node)` is the node's name in the view."""
     region = {name(node): (name(upcast), spelling(upcast))
-              for node, upcast in upcast_regions(upcasts, readers, op, is_cast).items()}
+              for node, upcast in upcast_regions(upcasts, readers, op, is_cast, module).items()}
 
     def hook(view: nx.DiGraph) -> None:
         for node, (upcast, spelled) in region.items():
