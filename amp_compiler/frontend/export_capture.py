@@ -24,7 +24,7 @@ import operator
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, is_concrete_int
 
 from amp_compiler.frontend.errors import TracingError, user_frame
 from amp_compiler.frontend.function_apply import intercepted_function_apply
@@ -95,6 +95,8 @@ def _spliced_export(root: nn.Module, example_inputs: tuple, dynamic_shapes, repe
             unlifted, why_fixed = _export(root, example_inputs, dynamic_shapes, short_notes)
             graph = repeat.splice(_graph_of(unlifted))
     except Exception as error:  # noqa: BLE001 - NotSpliceable, or a forward that needs all its blocks
+        if isinstance(error, GuardOnDataDependentSymNode):   # a branch on values: the whole model has it too
+            raise
         repeat.refused = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         return None
     notes += short_notes + [f"{repeat.path}: {repeat.count} identical blocks; blocks 0, 1, 2 and {repeat.count - 1} "
@@ -110,8 +112,8 @@ def _export_as_dynamic_as_possible(root: nn.Module, example_inputs: tuple, notes
             exported = torch.export.export(root, example_inputs, dynamic_shapes=_auto_dynamic(root, example_inputs, dims),
                                            strict=False)
         except Exception as error:  # noqa: BLE001 - some models only export with fewer dynamic dims
-            if not dims and dims is not None:
-                raise
+            if (not dims and dims is not None) or isinstance(error, GuardOnDataDependentSymNode):
+                raise   # fewer dynamic dims cannot decide a branch on tensor values: each try cost a full export
             failures.append(f"{type(error).__name__}: {str(error).splitlines()[0][:120]}")
             continue
         if failures:

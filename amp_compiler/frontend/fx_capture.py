@@ -101,6 +101,9 @@ class AmpTracer(fx.Tracer):
         return proxy
 
     def _try_or_opaque(self, attempt, callee, where: str, args, kwargs):
+        # fx makes `out.feature_maps`'s getattr node when it is first used: inside the attempt, it would be
+        # erased with it and the opaque call would read a deleted node (self.decoder(self.encoder(x).maps))
+        torch.fx.node.map_aggregate((args, kwargs), lambda a: a.node if isinstance(a, fx.Proxy) else a)
         last = self.graph._root.prev  # the newest node: everything after it belongs to this attempt
         reads, depth = len(self.training_reads), len(self.module_stack)
         try:
