@@ -103,8 +103,9 @@ def _convert(model, config, level, example_inputs, dynamic_shapes, calibration_d
     except TracingError as error:
         return convert_uncapturable(model, error, level, example_inputs, dynamic_shapes, calibration_data,
                                     freeze, overrides)
-    return compile_graph(captured, config, calibration_data, freeze=freeze, convert_again=lambda copy: convert(
-        copy, level, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
+    # convert_again(copy, example_inputs=...): a mode that cannot be captured converts its children with a call's inputs
+    return compile_graph(captured, config, calibration_data, freeze=freeze, convert_again=lambda copy, **given: convert(
+        copy, level, example_inputs=given.get("example_inputs", example_inputs), dynamic_shapes=dynamic_shapes,
         calibration_data=calibration_data, freeze=freeze, **overrides), spend_capture=True)
 
 
@@ -144,7 +145,7 @@ def compile_graph(captured: CapturedGraph, config: AmpConfig, calibration_data=N
     preserve_decisions(gm)   # explain/render/compare keep working after torch.save / torch.load
     if captured.training_reads and follow_flags:   # `if self.training:` was decided at capture: a call in another mode captures again
         gm.__dict__[READS] = dict(captured.training_reads)
-        follow_training_flags(gm, model, convert_again or (lambda copy: compile_graph(
+        follow_training_flags(gm, model, convert_again or (lambda copy, **given: compile_graph(
             capture(copy, example_inputs, captured.dynamic_shapes), config, calibration_data, freeze=freeze)))
     return freeze_weights(gm) if freeze else gm
 

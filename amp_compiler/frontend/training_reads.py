@@ -7,20 +7,29 @@ train()/eval() themselves and are not recorded). A converted module that read a 
 call, that its modules still have the flags it read; when they do not, it converts the model again with
 the flags it has now, keeps both graphs and switches between them (gm.graph, gm.code and explain() show
 the graph of the current mode).
+
+A mode the model cannot be captured in (`if self.training: if not torch.isfinite(h).all(): ...`, a layerdrop
+drawing torch.rand) runs as convert() runs such a model: as written, its children converted (convert_children).
+Its "graph" is one call of that copy (`run_as_written(self._amp_as_written, args, kwargs)`), and one warning
+names the model and the reason. Converting the children needs example inputs: convert()'s, else the first call
+in that mode brings them (a train() that meets the failure leaves the switch to that call).
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, Iterator
 
 import torch
 import torch.fx as fx
 from torch import nn
 
+from amp_compiler.frontend.errors import TracingError
 from amp_compiler.frontend.module_tree import share_module_tree, unwrap_compiled
 from amp_compiler.saved_decisions import SAVED_ATTRIBUTE
 
 READS = "_amp_training_reads"   # {module path: the training flag it read at capture}
+AS_WRITTEN = "_amp_as_written"   # on gm, in a mode that runs as written: the holder of that copy
 
 
 @contextlib.contextmanager
@@ -105,7 +114,7 @@ def _watched(gm: fx.GraphModule) -> list[tuple[nn.Module, bool]]:
 
 def _call_in_captured_flags(self, *args, **kwargs):
     if any(module.training is not flag for module, flag in type(self)._amp_watched):
-        _switch_graph(self)
+        _switch_graph(self, (args, kwargs))
     return nn.Module._call_impl(self, *args, **kwargs)
 
 
@@ -151,7 +160,9 @@ def _refuse_other_flags(self, *args, **kwargs):
 
 
 @torch._dynamo.disable   # capturing runs eagerly, also inside torch.compile
-def _switch_graph(gm: fx.GraphModule) -> None:
+def _switch_graph(gm: fx.GraphModule, call: tuple | None = None) -> None:
+    """Switch gm to the graph of its modules' flags now, converting the model in them if new. `call`: the
+    (args, kwargs) of the call that met the new flags (None from train()/eval())."""
     cls = type(gm)
     # The current graph as it is now (freeze() may have added its weight copies since it was captured).
     cls._amp_graphs = [s for s in cls._amp_graphs if s["graph"] is not gm.graph] + [_snapshot(gm, gm, cls._amp_model)]
@@ -160,11 +171,9 @@ def _switch_graph(gm: fx.GraphModule) -> None:
         if all(flags.get(path) is flag for path, flag in snapshot["reads"].items()):
             break
     else:
-        copy = share_module_tree(cls._amp_model)
-        for name, module in copy.named_modules():
-            module.training = flags.get(name, module.training)
-        with torch.inference_mode(False), torch.enable_grad():
-            snapshot = _snapshot(cls._amp_convert_again(copy), gm, cls._amp_model)
+        snapshot = _converted_in(cls, gm, flags, call)
+        if snapshot is None:   # uncapturable and no inputs yet to convert its children with: the call will
+            return
         cls._amp_graphs.append(snapshot)
     for name, value in snapshot["attributes"].items():
         setattr(gm, name, value)
@@ -174,6 +183,77 @@ def _switch_graph(gm: fx.GraphModule) -> None:
         setattr(gm, SAVED_ATTRIBUTE, snapshot["saved"])
     gm.__dict__[READS] = snapshot["reads"]
     cls._amp_watched = _watched(gm)
+
+
+def _converted_in(cls, gm: fx.GraphModule, flags: dict[str, bool], call: tuple | None) -> dict | None:
+    """The snapshot of the model converted in `flags`: a graph, or (uncapturable in them) the model as written
+    with its children converted, converted with the call's inputs when convert() had none; None when there is
+    no call yet to take them from."""
+    key = tuple(sorted(flags.items()))
+    copy = share_module_tree(cls._amp_model)
+    for name, module in copy.named_modules():
+        module.training = flags.get(name, module.training)
+    failed = getattr(cls, "_amp_uncapturable", {})
+    with torch.inference_mode(False), torch.enable_grad():
+        try:
+            if key in failed:
+                raise failed[key]
+            converted = cls._amp_convert_again(copy)
+        except TracingError as error:
+            if call is None:
+                cls._amp_uncapturable = {**failed, key: error}   # the call retries with its inputs, not the capture
+                return None
+            args, kwargs = call
+            if kwargs:
+                raise TracingError(f"{error}\n(it cannot be captured in these train()/eval() flags; to run it as "
+                                   "written with its children converted, call it with positional arguments only, "
+                                   "or pass example_inputs= to convert())") from error
+            converted = cls._amp_convert_again(copy, example_inputs=tuple(args))
+    if isinstance(converted, fx.GraphModule):
+        return _snapshot(converted, gm, cls._amp_model)
+    return _as_written_snapshot(converted, gm, flags)
+
+
+class _AsWrittenCopy:
+    """Holds the as-written copy outside gm's module tree (a plain object, not a submodule): gm's state_dict,
+    parameters and train() stay the model's."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+
+def run_as_written(holder: _AsWrittenCopy, args: tuple, kwargs: dict):
+    return holder.module(*args, **kwargs)
+
+
+def _as_written_snapshot(converted: nn.Module, gm: fx.GraphModule, flags: dict[str, bool]) -> dict:
+    """A one-call graph that runs `converted` (convert_children's result: the model as written, children
+    converted); its summary is converted's, with a note saying which mode this is."""
+    graph = fx.Graph()
+    args, kwargs = graph.placeholder("*args"), graph.placeholder("**kwargs")
+    holder = graph.get_attr(AS_WRITTEN)
+    graph.output(graph.call_function(run_as_written, (holder, args, kwargs)))
+    mode = "train" if flags.get("") else "eval"
+    reason = converted.meta["amp"]["notes"][0]
+    children = list(converted.meta["amp"]["children"])
+    note = (f"{mode} mode: the model cannot be captured with these train()/eval() flags, so it runs as written with "
+            f"{len(children)} converted child{'ren' if len(children) != 1 else ''} ({', '.join(children[:4])}"
+            f"{', ...' if len(children) > 4 else ''}), as convert() runs such a model; the other mode keeps its graph")
+    warnings.warn(f"amp_compiler: {type(converted).__name__} cannot be captured in {mode} mode "
+                  f"({reason.split(': ', 1)[-1]}): in that mode it runs as written, its children converted "
+                  f"({', '.join(children[:4])}{', ...' if len(children) > 4 else ''})", UserWarning, stacklevel=5)
+    summary = {**converted.meta["amp"], "notes": [note, *converted.meta["amp"]["notes"]]}
+    reads = {path: flags.get(path, flag) for path, flag in gm.__dict__.get(READS, {}).items()}
+    return {"graph": graph, "summary": summary, "saved": None, "reads": reads,
+            "attributes": {AS_WRITTEN: _AsWrittenCopy(converted)}}
+
+
+def as_written_copy(module: nn.Module) -> nn.Module | None:
+    """The model as written (children converted) that `module` runs in its current mode, if it runs one."""
+    holder = module.__dict__.get(AS_WRITTEN) if isinstance(module, fx.GraphModule) else None
+    if holder is None or not any(node.op == "get_attr" and node.target == AS_WRITTEN for node in module.graph.nodes):
+        return None
+    return holder.module
 
 
 def _snapshot(captured: fx.GraphModule, gm: fx.GraphModule, model: nn.Module) -> dict:

@@ -26,7 +26,7 @@ import torch.fx as fx
 from amp_compiler.insight.graph_decisions import (computed_dtype, fp32_islands, graph_summary, is_cast, is_shown,
                                           module_of, precision_of)
 from amp_compiler.frontend.hooks import hook_lines
-from amp_compiler.frontend.training_reads import training_lines
+from amp_compiler.frontend.training_reads import as_written_copy, training_lines
 from amp_compiler.insight.report_diff import PrecisionDiff, diff_reports
 from amp_compiler.insight.report_text import WIDTH, module_table, parts_lines, summarise_paths, wrapped
 from amp_compiler.in_place.conversion import in_place_conversion
@@ -156,15 +156,18 @@ def _totals(rows: list[dict], casts: int) -> dict:
 
 
 def _explain_children(module) -> PrecisionReport:
-    """A model whose own forward runs as written: the reports of its converted children, one table."""
+    """A model whose own forward runs as written: the reports of its converted children, one table (a graph
+    that runs so in its current train/eval mode: the children of the copy it runs, training_reads.py)."""
     rows, islands, casts, warnings = [], [], 0, []
-    for name in module.meta["amp"]["children"]:
+    summary = dict(module.meta["amp"])
+    module = as_written_copy(module) or module
+    for name in summary["children"]:
         child = explain(module.get_submodule(name))
         rows += [{**row, "module": f"{name}.{row['module']}" if row["module"] else name} for row in child.rows]
         islands += [{**island, "module": f"{name}.{island['module']}".rstrip(".")} for island in child.islands]
         casts += child.totals["casts"]
         warnings += [f"{name}: {warning}" for warning in child.warnings]
-    return PrecisionReport(rows, _totals(rows, casts), dict(module.meta["amp"]), islands, warnings=warnings)
+    return PrecisionReport(rows, _totals(rows, casts), summary, islands, warnings=warnings)
 
 
 def _leaf_lines(leaves: list[str]) -> list[str]:

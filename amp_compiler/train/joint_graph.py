@@ -14,21 +14,44 @@ shapes and to the modules' train/eval flags; the caller keys its cache on both. 
 op in the graph, so every run draws fresh masks from the global RNG exactly as eager PyTorch does.
 Parameters and buffers are graph inputs; the graph writes no parameter, and the buffers it updates in
 place (BatchNorm statistics) are listed in `JointGraph.mutated_state` so the caller can restore them.
+
+Strides: a fake kernel need not return the strides the real one does. Batch norm's fake output keeps its
+input's layout (a transposed (4, 64, 7) input: strides (448, 1, 64)) where the CPU kernel returns it contiguous
+((448, 7, 1)), and the ops recorded after it were traced for the fake strides: a `view` that was legal on them
+fails at run time. Each output of the kernels in STRIDES_NOT_TRACED is therefore given the recorded strides
+when the real ones differ (`with_traced_strides`: one copy of that tensor, none when they agree), so every op
+after it runs on the layout it was traced for.
+
+A model whose Python reads tensor values (`if h.sum() > 0`, `int(batch.max())`: PyG's pooling without a size)
+cannot be traced with fake tensors: `eager_step` runs the same step (fp32 loss, scaled gradients by
+torch.autograd.grad, unscale, overflow check) eagerly on every call, with the same inputs and outputs.
 """
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
 LOW_FLOATS = (torch.float16, torch.bfloat16)
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+# Kernels whose fake (meta) implementation keeps the input's layout where the real CPU/CUDA kernel returns
+# another: their outputs get the traced strides at run time (with_traced_strides).
+STRIDES_NOT_TRACED = tuple(getattr(aten, name).default for name in (
+    "native_batch_norm", "native_batch_norm_backward", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional", "_batch_norm_with_update",
+    "_batch_norm_no_update", "batch_norm_backward", "cudnn_batch_norm", "cudnn_batch_norm_backward",
+    "miopen_batch_norm", "miopen_batch_norm_backward") if hasattr(aten, name))
+# Errors of a fake-tensor trace through Python that reads tensor values: the step runs eagerly instead.
+DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
 # Kernels that update BatchNorm running statistics in place without saying so in their schema:
 # op -> (indices of running_mean and running_var, index of the `training` flag).
 UNDECLARED_MUTATIONS = {
@@ -79,28 +102,14 @@ def trace_joint_graph(module: torch.nn.Module, loss_fn, trainable: dict[str, tor
             loss = _scalar_loss(loss_fn(_to_fp32(output), _to_fp32(step_label)))
             scaled_loss = loss * loss_scale
             grads = _gradients(scaled_loss, params)
-        used = [(name, grad) for name, grad in zip(trainable_names, grads) if grad is not None]
-        grad_names[:] = [name for name, _ in used]
-        inv_scale = torch.reciprocal(loss_scale)
-        # A weight stored low (train/low_weights.py) has a low gradient: times a 1-element fp32 tensor (0-dim
-        # would not promote) it comes out fp32 in one pass, not cast and then multiplied.
-        inv_scale_promoting = inv_scale.reshape(1)
-        unscaled = [grad * inv_scale_promoting if grad.dtype in LOW_FLOATS and grad.dim() > 0
-                    else _to_fp32(grad) * inv_scale for _, grad in used]
-        if unscaled:
-            # A sum is inf/nan when a term is (inf - inf gives nan); finite terms overflow it only beyond
-            # 3.4e38, also an overflow. One vectorised pass per gradient: ~25x cheaper than max(|g|).
-            total = torch.stack([g.sum() for g in unscaled]).sum()
-            found_inf = torch.logical_not(torch.isfinite(total))
-        else:
-            found_inf = torch.zeros((), dtype=torch.bool)
-        return (loss.detach(), found_inf, *unscaled)
+        return _unscaled_step_outputs(loss, loss_scale, trainable_names, grads, grad_names)
 
     flat_args = [*trainable.values(), *state.values(), *(leaves[i] for i in tensor_positions),
                  torch.ones((), dtype=torch.float32)]
     with torch.enable_grad():
         gm = make_fx(joint_step, tracing_mode="fake", _allow_non_fake_inputs=True)(*flat_args)
     gm.graph.eliminate_dead_code()
+    restride_untraced_outputs(gm.graph)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     input_names = [_input_name(i, label_leaf_start, single_label) for i in tensor_positions]
     _rename_placeholders(placeholders, [*(f"p_{n}" for n in trainable_names), *(f"s_{n}" for n in state_names),
@@ -113,6 +122,99 @@ def trace_joint_graph(module: torch.nn.Module, loss_fn, trainable: dict[str, tor
     gm.recompile()
     gm.meta["amp_step"] = {"gradients": list(grad_names), "restored_on_overflow": mutated}
     return JointGraph(gm, trainable_names, list(grad_names), state_names, mutated)
+
+
+def _unscaled_step_outputs(loss, loss_scale, trainable_names: list[str], grads, grad_names: list[str]) -> tuple:
+    """(loss, found_inf, *unscaled gradients); grad_names is set, in place, to the parameters that have one."""
+    used = [(name, grad) for name, grad in zip(trainable_names, grads) if grad is not None]
+    grad_names[:] = [name for name, _ in used]
+    inv_scale = torch.reciprocal(loss_scale)
+    # A weight stored low (train/low_weights.py) has a low gradient: times a 1-element fp32 tensor (0-dim
+    # would not promote) it comes out fp32 in one pass, not cast and then multiplied.
+    inv_scale_promoting = inv_scale.reshape(1)
+    unscaled = [grad * inv_scale_promoting if grad.dtype in LOW_FLOATS and grad.dim() > 0
+                else _to_fp32(grad) * inv_scale for _, grad in used]
+    if unscaled:
+        # A sum is inf/nan when a term is (inf - inf gives nan); finite terms overflow it only beyond
+        # 3.4e38, also an overflow. One vectorised pass per gradient: ~25x cheaper than max(|g|).
+        total = torch.stack([g.sum() for g in unscaled]).sum()
+        found_inf = torch.logical_not(torch.isfinite(total))
+    else:
+        found_inf = torch.zeros((), dtype=torch.bool)
+    return (loss.detach(), found_inf, *unscaled)
+
+
+class EagerStep:
+    """The joint graph's step run eagerly, for a model fake tensors cannot trace (`reason`): called with the
+    joint graph's inputs (trainable, state, input tensors, loss scale) it returns its outputs. The trainable
+    tensors are the module's own, so the module is called as it is; gradients come from torch.autograd.grad
+    (nothing is written into .grad: the caller writes the masters')."""
+
+    def __init__(self, module, loss_fn, trainable_names: list[str], state_names: list[str], inputs: tuple, label,
+                 reason: str) -> None:
+        self.module, self.loss_fn, self.reason = module, loss_fn, reason
+        self.trainable_names, self.state_names = trainable_names, state_names
+        leaves, self._tree = pytree.tree_flatten((inputs, label))
+        self._leaves = leaves
+        self._positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.grad_names: list[str] = list(trainable_names)   # set on each call: the parameters that had a gradient
+        self.meta = {"amp_step": {"eager": reason}}
+
+    @property
+    def code(self) -> str:
+        return f"# this step runs eagerly, not as one graph: {self.reason}\n"
+
+    def __call__(self, *flat):
+        params = flat[:len(self.trainable_names)]
+        tensors, loss_scale = flat[len(self.trainable_names) + len(self.state_names):-1], flat[-1]
+        values = list(self._leaves)
+        for position, tensor in zip(self._positions, tensors):
+            values[position] = tensor
+        inputs, label = pytree.tree_unflatten(values, self._tree)
+        with torch.enable_grad():
+            loss = _scalar_loss(self.loss_fn(_to_fp32(self.module(*inputs)), _to_fp32(label)))
+            reached = [p for p in params if p.requires_grad]
+            found = iter(torch.autograd.grad(loss * loss_scale, reached, allow_unused=True)
+                         if reached and loss.requires_grad else [None] * len(reached))
+        grads = [next(found) if p.requires_grad else None for p in params]
+        return _unscaled_step_outputs(loss, loss_scale, self.trainable_names, grads, self.grad_names)
+
+
+def eager_step(module, loss_fn, trainable: dict[str, torch.Tensor], state: dict[str, torch.Tensor], inputs: tuple,
+               label, reason: str) -> JointGraph:
+    """A JointGraph whose graph_module is an EagerStep; every buffer counts as written (an overflow puts back
+    all of them: the step cannot tell which the forward updates)."""
+    step = EagerStep(module, loss_fn, list(trainable), list(state), inputs, label, reason)
+    buffers = [name for name, tensor in state.items() if not isinstance(tensor, torch.nn.Parameter)]
+    return JointGraph(step, list(trainable), step.grad_names, list(state), buffers)
+
+
+def with_traced_strides(tensor: torch.Tensor, size: tuple, stride: tuple) -> torch.Tensor:
+    """`tensor` with the strides the trace recorded for it: itself when they agree, else a copy laid out so."""
+    if tensor.stride() == stride:
+        return tensor
+    return tensor.new_empty_strided(size, stride).copy_(tensor)
+
+
+def restride_untraced_outputs(graph: fx.Graph) -> int:
+    """After each tensor output of a STRIDES_NOT_TRACED kernel, with_traced_strides(out, recorded size, stride);
+    returns how many were inserted."""
+    inserted = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in STRIDES_NOT_TRACED:
+            continue
+        outputs = [user for user in node.users if user.target is operator.getitem] \
+            if isinstance(node.meta.get("val"), (tuple, list)) else [node]
+        for output in outputs:
+            value = output.meta.get("val")
+            if not isinstance(value, torch.Tensor) or not output.users:
+                continue
+            with graph.inserting_after(output):
+                restrided = graph.call_function(with_traced_strides, (output, tuple(value.shape), value.stride()))
+            output.replace_all_uses_with(restrided, delete_user_cb=lambda user: user is not restrided)
+            restrided.meta["val"] = value
+            inserted += 1
+    return inserted
 
 
 def _gradients(scaled_loss: torch.Tensor, params: tuple) -> list:

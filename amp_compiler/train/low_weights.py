@@ -75,7 +75,7 @@ class LowWeights:
                       and id(param) in in_optimizer and param.requires_grad]
         self._by_low = {id(pair.low): pair for pair in self.pairs}
         self._masters = {id(pair.master) for pair in self.pairs}
-        self._graph = gm.graph            # the graph analysed; a train/eval switch brings in another
+        self._graph = _graphs_of(gm)      # the graphs analysed; a train/eval switch brings in others
         self._fold_task = None            # the autograd graph task whose end-of-backward fold is queued
         self._fold_after_backward = True  # False inside DDP's no_sync()
         self._paused = 0
@@ -124,7 +124,7 @@ class LowWeights:
     def before_forward(self) -> None:
         if self._paused:
             return
-        if self.gm.graph is not self._graph:   # convert() switched graphs with the train/eval mode
+        if _switched(self._graph, _graphs_of(self.gm)):   # convert() switched graphs with the train/eval mode
             self._follow_graph()
         for pair in self.pairs:
             if any(owner.get(leaf) is not pair.low for owner, leaf in pair.slots):
@@ -146,7 +146,7 @@ class LowWeights:
         _, read_otherwise = _graph_reads(self.gm, self.dtype)
         for pair in [pair for pair in self.pairs if id(pair.low) in read_otherwise]:
             self._release(pair)
-        self._graph = self.gm.graph
+        self._graph = _graphs_of(self.gm)
 
     def _under(self, ddp) -> None:
         """DDP all-reduces only when it synchronises: inside no_sync() the copies keep their gradients."""
@@ -317,22 +317,51 @@ def low_weights(gm: fx.GraphModule, optimizer: torch.optim.Optimizer) -> LowWeig
     return weights
 
 
-def _graph_reads(gm: fx.GraphModule, dtype: torch.dtype) -> tuple[set[int], set[int]]:
-    """(ids of parameters every graph read of which is a cast to `dtype`, ids of parameters read otherwise)."""
+def _graph_reads(gm: nn.Module, dtype: torch.dtype) -> tuple[set[int], set[int]]:
+    """(ids of parameters every graph read of which is a cast to `dtype`, ids of parameters read otherwise).
+    A model convert() runs as written with converted children: the reads of every child's graph; a parameter
+    its own modules outside those graphs hold is read by code as written (fp32, never a copy)."""
     reads: dict[int, list[fx.Node]] = {}
     read_otherwise: set[int] = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = _attribute(gm, node.target)
-            if isinstance(value, nn.Parameter):
-                reads.setdefault(id(value), []).append(node)
-            elif isinstance(value, nn.Module):   # a module handed to a runtime helper reads its parameters
-                read_otherwise.update(id(p) for p in value.parameters())
-        elif node.op == "call_module":
-            read_otherwise.update(id(p) for p in gm.get_submodule(node.target).parameters())
+    graphs = _converted_graphs(gm)
+    for graph_module in graphs:
+        for node in graph_module.graph.nodes:
+            if node.op == "get_attr":
+                value = _attribute(graph_module, node.target)
+                if isinstance(value, nn.Parameter):
+                    reads.setdefault(id(value), []).append(node)
+                elif isinstance(value, nn.Module):   # a module handed to a runtime helper reads its parameters
+                    read_otherwise.update(id(p) for p in value.parameters())
+            elif node.op == "call_module":
+                read_otherwise.update(id(p) for p in graph_module.get_submodule(node.target).parameters())
+    inside = {id(m) for graph_module in graphs for m in graph_module.modules()}
+    read_otherwise.update(id(p) for m in gm.modules() if id(m) not in inside for p in m.parameters(recurse=False))
     only_low = {key for key, nodes in reads.items()
                 if key not in read_otherwise and all(_only_cast_low(node, dtype) for node in nodes)}
     return only_low, read_otherwise | (set(reads) - only_low)
+
+
+def _converted_graphs(module: nn.Module) -> list[fx.GraphModule]:
+    """`module` itself when convert() returned a graph; else the outermost converted graphs inside it (a model
+    run as written with its children converted: convert_children)."""
+    if isinstance(module, fx.GraphModule):
+        return [module]
+    found, pending = [], list(module.children())
+    while pending:
+        child = pending.pop(0)
+        if isinstance(child, fx.GraphModule) and "amp" in getattr(child, "meta", {}):
+            found.append(child)
+        else:
+            pending += list(child.children())
+    return found
+
+
+def _graphs_of(module: nn.Module) -> list[fx.Graph]:
+    return [graph_module.graph for graph_module in _converted_graphs(module)]
+
+
+def _switched(before: list[fx.Graph], now: list[fx.Graph]) -> bool:
+    return len(before) != len(now) or any(a is not b for a, b in zip(before, now))
 
 
 def _only_cast_low(node: fx.Node, dtype: torch.dtype) -> bool:

@@ -16,6 +16,7 @@ drop_overflow_update=False; more than bad_step_max non-finite steps in a row rai
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -28,7 +29,7 @@ from torch.utils import _pytree as pytree
 from amp_compiler.train.bad_steps import BAD_STEP_MAX, BadStepLimit
 from amp_compiler.config import make_config
 from amp_compiler.convert import convert
-from amp_compiler.train.joint_graph import JointGraph, trace_joint_graph
+from amp_compiler.train.joint_graph import DATA_DEPENDENT, EagerStep, JointGraph, eager_step, trace_joint_graph
 from amp_compiler.train.low_weights import LowWeights
 from amp_compiler.train.loss_scale import FixedLossScaleManager, LossScaleManager, default_loss_scale_manager
 from amp_compiler.train.step_outcome import Overflow, StepHistory
@@ -123,7 +124,8 @@ class TrainStep:
 
     def report(self) -> str:
         """The steps so far: applied, skipped (and how many of those were the scale calibrating itself)."""
-        return self.history.summary()
+        eager = [joint.graph_module.reason for joint in self._graphs.values() if isinstance(joint.graph_module, EagerStep)]
+        return self.history.summary() + (f"\nsteps run eagerly: {eager[0]}" if eager else "")
 
     def clear_traced_graphs(self) -> None:
         """Forget every traced graph; the next call traces again (e.g. after changing Dropout.p)."""
@@ -155,9 +157,7 @@ class TrainStep:
         key = (_signature((inputs, label)), tuple(g.training for _, g in self._flag_pairs), tuple(trainable))
         joint = self._graphs.get(key)
         if joint is None:
-            with self.low_weights.paused() if self.low_weights is not None else contextlib.nullcontext():
-                joint = trace_joint_graph(self.converted, self.loss_fn, trainable, self._state(trainable), inputs,
-                                          label)
+            joint = self._traced_or_eager(inputs, label, trainable)
             self.num_traces += 1
             self._graphs[key] = joint
             if len(self._graphs) > MAX_CACHED_GRAPHS:
@@ -165,6 +165,20 @@ class TrainStep:
         self._graphs.move_to_end(key)
         self._last = joint
         return joint
+
+
+    def _traced_or_eager(self, inputs: tuple, label, trainable: dict) -> JointGraph:
+        """The joint graph; a forward whose Python reads tensor values (a top level convert() runs as written,
+        PyG's pooling without a size) cannot be traced with fake tensors: the same step, eagerly."""
+        state = self._state(trainable)
+        try:
+            with self.low_weights.paused() if self.low_weights is not None else contextlib.nullcontext():
+                return trace_joint_graph(self.converted, self.loss_fn, trainable, state, inputs, label)
+        except DATA_DEPENDENT as error:
+            reason = (f"{type(self.converted).__name__}'s forward reads tensor values in Python, which fake tensors "
+                      f"cannot trace ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]})")
+            self.last_note = f"steps run eagerly: {reason}"
+            return eager_step(self.converted, self.loss_fn, trainable, state, inputs, label, reason)
 
 
 def build_train_network(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, level: str = "O2",
@@ -215,12 +229,22 @@ def _training_flag_pairs(model: nn.Module, converted: fx.GraphModule) -> list[tu
     return [(model_modules.get(name, model), module) for name, module in converted.named_modules()]
 
 
-def _input_arity(converted: fx.GraphModule) -> tuple[int, int]:
+def _input_arity(converted: nn.Module) -> tuple[int, int]:
+    if not isinstance(converted, fx.GraphModule):   # convert() ran the model as written, children converted
+        return _signature_arity(converted)
     placeholders = [n for n in converted.graph.nodes if n.op == "placeholder"]
     required = sum(1 for n in placeholders if not n.args and not n.target.startswith("*"))
     if any(n.target.startswith("*") for n in placeholders):
         return required, 10 ** 6
     return required, len(placeholders)
+
+
+def _signature_arity(module: nn.Module) -> tuple[int, int]:
+    parameters = inspect.signature(module.forward).parameters.values()
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return sum(1 for p in parameters if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD), 10 ** 6
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return sum(1 for p in positional if p.default is p.empty), len(positional)
 
 
 def _signature(tree) -> tuple:
