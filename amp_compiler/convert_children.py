@@ -5,7 +5,8 @@
 
 The result is the model's own class (a shallow copy sharing its tensors) with its children replaced by
 their conversions, so its forward, methods and state_dict keys are the original's. Each child is
-converted with the inputs it received in one eval-mode run of `example_inputs`, so children that need
+converted with the inputs it received in one eval-mode run of `example_inputs` (keywords put in their
+positional places: encoder(input_ids=ids, attention_mask=m) -> (ids, m)), so children that need
 torch.export get example inputs too, and calibrated on the inputs it received in runs of each
 `calibration_data` sample. `dynamic_shapes` describes the model's inputs, not its children's: a warning
 says it was not used. Children without parameters run as written.
@@ -18,17 +19,17 @@ import torch
 from torch import nn
 
 from amp_compiler.frontend import TracingError, share_module_tree
+from amp_compiler.frontend.example_inputs import positional_inputs
 
 
 def record_child_inputs(root: nn.Module, samples) -> list[dict[str, tuple]]:
-    """For each sample (a tuple of the model's inputs): name -> the positional inputs each direct child
-    received in one eval-mode run (first call)."""
+    """For each sample (a tuple of the model's inputs): name -> the inputs each direct child received in one
+    eval-mode run (first call), keywords put in their positional places; None where they have no positional form."""
     seen: list[dict[str, tuple]] = []
-    # A child called with keyword arguments is converted without example inputs: its positional ones
-    # alone would be refused as too few (frontend/example_inputs.py).
-    def recorder(name: str):
+
+    def recorder(name: str):   # keywords too (encoder(input_ids=..., attention_mask=...)): in their places
         def record(module, args, kwargs):
-            seen[-1].setdefault(name, None if kwargs else args)
+            seen[-1].setdefault(name, positional_inputs(module, args, kwargs))
         return record
 
     handles = [child.register_forward_pre_hook(recorder(name), with_kwargs=True)
@@ -75,7 +76,8 @@ def convert_children(model: nn.Module, capture_error: TracingError, convert, lev
     uncalibrated = [name for name in children if inputs.get(name) is None]
     if calibration_data is not None and uncalibrated:
         warnings.warn(f"convert(): calibration_data was not used for {', '.join(uncalibrated)}: called with keyword "
-                      "arguments, so converted without example inputs", UserWarning, stacklevel=3)
+                      "arguments that have no positional form (keyword-only or **kwargs), so converted without "
+                      "example inputs", UserWarning, stacklevel=3)
     if not children:
         raise capture_error
     any_child = next(iter(children.values()))
