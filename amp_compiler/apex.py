@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import types
 import warnings
 from collections import OrderedDict
@@ -422,7 +423,7 @@ def _patch_methods(optimizer: torch.optim.Optimizer, stash: OptimizerStash, prop
 def _checkpoint_in_fp32(model: nn.Module, masters: dict) -> None:
     """model.state_dict() holds fp32 weights (the masters' values where there are masters; Apex's
     O2StateDictHook saves the fp16 weights cast up), and load_state_dict() sets the masters too, so a
-    checkpoint restores training exactly."""
+    checkpoint restores training exactly; a Hugging Face model's save_pretrained records float32 in its config."""
     def fp32_values(module, state_dict, prefix, local_metadata):
         for name, param in module.named_parameters(remove_duplicate=False):
             key = prefix + name
@@ -442,6 +443,22 @@ def _checkpoint_in_fp32(model: nn.Module, masters: dict) -> None:
 
     model.register_state_dict_post_hook(fp32_values)
     model.register_load_state_dict_pre_hook(load_masters)
+    if callable(getattr(model, "save_pretrained", None)) and hasattr(getattr(model, "config", None), "save_pretrained"):
+        model.__dict__["save_pretrained"] = types.MethodType(save_pretrained, model)
+
+
+def save_pretrained(self, save_directory, *args, **kwargs):
+    """A Hugging Face model's save_pretrained after O2/O3 cast its weights: the weights file holds fp32 (the
+    masters, by the state_dict hook above), but transformers writes config.json's "dtype" from the first
+    parameter (float16), and a plain from_pretrained (dtype="auto") would round the fp32 weights to it. The
+    config is written again recording float32, the dtype of what was saved (not for a state_dict= of the
+    caller's, whose dtypes are its own; push_to_hub=True uploads before this rewrite)."""
+    result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    given = inspect.signature(type(self).save_pretrained).bind_partial(self, save_directory, *args, **kwargs).arguments
+    if given.get("state_dict") is None and given.get("is_main_process", True):
+        self.config.dtype = "float32"
+        self.config.save_pretrained(save_directory)
+    return result
 
 
 # -- scale_loss, master_params, state_dict --------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -50,11 +51,25 @@ class InPlaceConversion:
     templates: dict = dataclasses.field(default_factory=reuse.Templates)   # signature -> graph to reuse
     reused: int = 0               # graphs bound from a template instead of captured (reuse.py)
     fp8_histories: object = None  # fp8 delayed scaling: the amax histories, in the model's state_dict
+    warned_low_parameters: bool = False   # the model was made fp16/bf16 after converting: said once
 
     def before_outermost_call(self) -> None:
         """Once per model call, before any part runs: the frozen copies whose weights' values changed go."""
         if self.values_checked is not None:
             self.values_checked.check()
+
+    def warn_if_made_low(self, module: nn.Module) -> None:
+        """A capture refused `module`'s fp16/bf16 parameters (model.half() or .to(bfloat16) after converting): say
+        once what convert() says of such a model, since from now on every part runs plain low, norms included."""
+        if self.warned_low_parameters or self.weights_cast_low:   # Apex's O2/O3 cast them on purpose
+            return
+        try:
+            refuse_low_parameters(self.model if any(True for _ in self.model.parameters()) else module)
+        except ValueError as refusal:
+            self.warned_low_parameters = True
+            warnings.warn(f"amp_compiler: {refusal} Its parameters became low after convert(..., inplace=True) "
+                          "(model.half() or model.to(dtype)): no part can be captured any more, so they run as "
+                          "written in that dtype, attention and norms included.", UserWarning, stacklevel=6)
 
     def _joined_check(self):
         if self.values_checked is None:

@@ -153,6 +153,7 @@ class Part:
         try:
             graph = self.conversion.capture(self, args, kwargs, tensors)
         except Exception as error:  # noqa: BLE001 - any capture failure: as written, children tried instead
+            self.conversion.warn_if_made_low(self.module)   # model.half() after converting: every capture refuses
             first_line = (str(error).splitlines() or [""])[0][:200]
             return self._as_written(key, f"not captured: {type(error).__name__}: {first_line}", args, kwargs)
         if graph.low == 0:   # children it traced into have nothing low either; opaque ones are tried as parts
