@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch.fx as fx
+from torch import nn
 
 from amp_compiler.insight.graph_decisions import (computed_dtype, fp32_islands, graph_summary, is_cast, is_shown,
                                           module_of, precision_of)
@@ -53,6 +54,7 @@ class PrecisionReport:
         s, t = self.summary, self.totals
         lines = [f"amp-compiler report: level {s.get('level')} (asked {s.get('requested_level')}), "
                  f"{s.get('dtype')}, front end {s.get('frontend')}{_devices(s)}"]
+        lines += nothing_converted_lines(s, t)
         lines.append(f"nodes: {self.counts()}")
         lines += parts_lines(s.get("parts", {}))
         for warning in self.warnings:
@@ -104,6 +106,7 @@ def explain(gm, other=None, *, only: str | None = None, module: str | None = Non
     ("encoder.*" also matches "encoder" itself). With a second module, diff(gm, other)."""
     if other is not None:
         return diff(gm, other)
+    wrapper, gm = gm, converted_model_in(gm)
     if in_place_conversion(gm) is not None:   # convert(model, inplace=True): its parts' graphs, merged
         from amp_compiler.in_place.report import explain_in_place
         report = explain_in_place(gm)
@@ -111,12 +114,41 @@ def explain(gm, other=None, *, only: str | None = None, module: str | None = Non
         report = _explain_children(gm)
     else:
         report = _explain_graph(gm, summary)
+    if wrapper is not gm:
+        report.warnings += adapters_not_run(gm)
     filters = {k: v for k, v in (("only", only), ("module", module), ("op", op)) if v is not None}
     if filters:
         _check_only(only)
         report.rows = [row for row in report.rows if _keeps(row, only, module, op)]
         report.filters = filters
     return report
+
+
+def converted_model_in(module):
+    """The converted model a wrapper holds: peft's PeftModel keeps it at base_model.model (LoraModel's `model`),
+    whether it was converted in place or convert() returned it before get_peft_model; `module` itself otherwise."""
+    for _ in range(4):   # PeftModel -> LoraModel -> the model
+        if not isinstance(module, nn.Module) or in_place_conversion(module) is not None or \
+                isinstance(module, fx.GraphModule) or "amp" in (module.__dict__.get("meta") or {}):
+            return module
+        inner = getattr(module.__dict__.get("_modules", {}).get("base_model"), "model", None)
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+    return module
+
+
+def adapters_not_run(gm) -> list[str]:
+    """Adapter layers (peft's, which keep the replaced layer as `base_layer`) put into a converted graph after
+    convert(): the graph reads the replaced layer's weights itself, so their forward, the adapter, never runs."""
+    if not isinstance(gm, fx.GraphModule):
+        return []
+    read = [node.target for node in gm.graph.nodes if node.op == "get_attr"]
+    return [f"{path} became {type(layer).__module__}.{type(layer).__qualname__} after convert(): this graph reads {path}'s weights itself, so the "
+            "adapter never runs (outputs are the base model's). Apply the adapters first and convert the adapted "
+            "model, or convert(model, inplace=True) before get_peft_model"
+            for path, layer in gm.named_modules() if path and isinstance(getattr(layer, "base_layer", None), nn.Module)
+            and any(target.startswith(path + ".") for target in read)]
 
 
 def diff(before, after) -> PrecisionDiff:
@@ -168,6 +200,25 @@ def _explain_children(module) -> PrecisionReport:
         casts += child.totals["casts"]
         warnings += [f"{name}: {warning}" for warning in child.warnings]
     return PrecisionReport(rows, _totals(rows, casts), summary, islands, warnings=warnings)
+
+
+def nothing_converted_lines(summary: dict, totals: dict) -> list[str]:
+    """Said second when no node runs low: what runs instead, and the reason the front end recorded (a model that
+    is one opaque call runs under autocast: its numbers are autocast's, not this compiler's)."""
+    low = summary.get("dtype")
+    if "parts" in summary or totals["nodes_per_dtype"].get(low, 0):   # in place: the parts block says it
+        return []
+    opaque = summary.get("opaque", {})
+    if summary.get("level") == "O0":
+        why = "level O0 runs the model as written, in fp32"
+    elif opaque:
+        where = [path or "the model itself" for path in opaque]
+        why = (f"{'it runs as one opaque call' if len(opaque) == 1 else f'it runs as {len(opaque)} opaque calls'} "
+               f"({', '.join(where[:4])}), as written under torch.autocast({low}): its numbers are autocast's; "
+               + "; ".join(f"{path or 'the model itself'}: {reason}" for path, reason in list(opaque.items())[:2]))
+    else:
+        why = f"no op in it is one the {summary.get('level')} policy runs low"
+    return wrapped("nothing converted", [f"0 nodes run {low}: {why}"])
 
 
 def _leaf_lines(leaves: list[str]) -> list[str]:
