@@ -2,9 +2,12 @@
 
 Levels follow Apex and MindSpore (the table: amp_compiler/passes/policy/levels.py); keyword overrides win
 over the level's defaults. "auto" is O1 with fp16 where CUDA is usable, O1 with bf16 on CPU.
+with_model_lists(config, model) adds what the model itself says must stay fp32 (Hugging Face's
+_keep_in_fp32_modules), as the entry points that see the model call it (convert, compile_graph).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +39,7 @@ class AmpConfig:
     placement_method: str = "cut"   # "cut": a minimum cut; "greedy": the local search benchmarks compare it with
     devices: tuple = ()             # device types the model runs on ("cpu"): ops they have no low kernel for stay fp32
     fp8: Fp8Options | None = None   # the fp8 level's options (passes/policy/fp8.py); None at the other levels
+    model_keep_fp32: tuple = ()     # (module name fragment, why): the model's keep-in-fp32 lists (with_model_lists)
 
     @property
     def level_spec(self) -> Level:
@@ -48,7 +52,37 @@ class AmpConfig:
 
     def precision_rules(self) -> PrecisionRules:
         return PrecisionRules.build(self.level, self.low_dtype_name, keep_norm_fp32=self.keep_norm_fp32,
-                                    devices=self.devices, **self.rule_options)
+                                    devices=self.devices, model_fp32=self.model_keep_fp32, **self.rule_options)
+
+
+# Hugging Face PreTrainedModel attributes naming modules a family must not run low (T5's "wo"), and the low
+# dtypes from_pretrained keeps them fp32 in (modeling_utils._get_dtype_plan): the plain list in float16 only.
+KEEP_IN_FP32_LISTS = {"_keep_in_fp32_modules": ("float16",),
+                      "_keep_in_fp32_modules_strict": ("float16", "bfloat16")}
+
+
+def keep_in_fp32_modules(model: torch.nn.Module, low_dtype: torch.dtype) -> tuple[tuple[str, str], ...]:
+    """(fragment, why) for every entry of the keep-in-fp32 lists of `model` and of the modules in it (a
+    wrapped or composite model: each sub-model registers its own) that apply in `low_dtype`."""
+    found: dict[str, str] = {}
+    for module in model.modules():
+        for attribute, dtypes in KEEP_IN_FP32_LISTS.items():
+            entries = getattr(module, attribute, None)
+            if not entries or dtype_name(low_dtype) not in dtypes or isinstance(entries, str):
+                continue
+            for entry in sorted(entries):
+                found.setdefault(entry, f"model: {type(module).__name__}.{attribute} names {entry!r}: Hugging Face "
+                                        f"keeps it fp32 in {' and '.join(dtypes)}, so does every level")
+    return tuple(found.items())
+
+
+def with_model_lists(config: AmpConfig, model: torch.nn.Module) -> AmpConfig:
+    """`config` with the model's keep-in-fp32 lists added to those it has (an in-place part's graph adds the
+    part's to the whole model's)."""
+    found = dict(config.model_keep_fp32)
+    for fragment, why in keep_in_fp32_modules(model, config.low_dtype) if model is not None else ():
+        found.setdefault(fragment, why)
+    return dataclasses.replace(config, model_keep_fp32=tuple(found.items()))
 
 
 def resolve_dtype(value) -> torch.dtype:

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from amp_compiler.config import AmpConfig, make_config
+from amp_compiler.config import AmpConfig, make_config, with_model_lists
 from amp_compiler.convert_children import convert_children
 from amp_compiler.in_place.conversion import convert_in_place
 from amp_compiler.frozen import freeze as freeze_weights
@@ -96,8 +96,8 @@ def _convert(model, config, level, example_inputs, dynamic_shapes, calibration_d
         if dynamic_shapes is not None:
             raise ValueError("dynamic_shapes does not apply to inplace=True: parts are captured shape-generic on "
                              "the calls they get, and again when a call's shapes need it")
-        return convert_in_place(model, config, example_inputs=example_inputs, calibration_data=calibration_data,
-                                freeze=freeze)
+        return convert_in_place(model, with_model_lists(config, model), example_inputs=example_inputs,
+                                calibration_data=calibration_data, freeze=freeze)   # parts see the whole model's lists
     try:
         captured = capture(model, example_inputs, dynamic_shapes)
     except TracingError as error:
@@ -128,8 +128,8 @@ def compile_graph(captured: CapturedGraph, config: AmpConfig, calibration_data=N
     graph read `self.training` (default: capture that copy and compile it with this config); follow_flags=False:
     the caller does that itself (an in-place part keys its graphs by the user's modules' flags).
     spend_capture=True (convert(): one compilation per capture): the passes edit the capture's own graph, no copy."""
-    config = dataclasses.replace(config)   # target devices are written on it below
     model, example_inputs = captured.model, captured.example_inputs
+    config = with_model_lists(config, model)   # a copy: target devices are written on it below; _keep_in_fp32_modules
     gm = graph_module_to_compile(captured, generate_code=False, spend=spend_capture)   # run_pipeline: the code, once
     config.devices, devices_from = target_devices(model, example_inputs)   # ops they have no low kernel for stay fp32
     with user_hooks_silenced(gm):   # the user's hooks fire on calls, not on fake values or calibration runs

@@ -1,5 +1,6 @@
 """The rules in force for one conversion: the policy table after the dtype overlay, the level and the
-user's per-call op lists, plus forced precision by module path / node name / glob pattern.
+user's per-call op lists, plus forced precision by module path / node name / glob pattern, and the modules
+the model's own keep-in-fp32 lists name (Hugging Face's _keep_in_fp32_modules: config.model_keep_fp32).
 
     PrecisionRules.build("O1", "float16", deny_ops=["gelu"], force_fp32=["encoder.layers.*.attn"])
 
@@ -8,6 +9,7 @@ Everything here is format-neutral: the fx and ONNX front ends ask it about (op, 
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 
 from amp_compiler.passes.fx.canonicalize import ALIASES
@@ -52,11 +54,14 @@ class PrecisionRules:
     matched_patterns: set[str] = field(default_factory=set)
     # op list entry -> its list, for names neither the table nor custom_ops knows: the graph must call them
     unlisted_ops: dict[str, str] = field(default_factory=dict)
+    # (module name fragment, why) from the model's keep-in-fp32 lists: fp32 after the user's patterns, and
+    # never "unmatched" (a list names modules of the whole family; this graph may hold none of them)
+    model_fp32: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def build(cls, level: str, low_dtype: str, *, keep_norm_fp32: bool | None = None, devices=(),
               allow_ops=(), deny_ops=(), infer_ops=(), clear_ops=(),
-              force_fp32=(), force_low=(), custom_ops=()) -> "PrecisionRules":
+              force_fp32=(), force_low=(), custom_ops=(), model_fp32=()) -> "PrecisionRules":
         spec = level_of(level)
         if keep_norm_fp32 is None:
             keep_norm_fp32 = spec.keep_norm_fp32
@@ -85,7 +90,8 @@ class PrecisionRules:
         both = set(force_fp32) & set(force_low)
         if both:
             raise ValueError(f"pattern(s) {sorted(both)} are in both force_fp32 and force_low: pick one")
-        return cls(level, low_dtype, table, force_fp32, force_low, keep_norm_fp32, unlisted_ops=unlisted)
+        return cls(level, low_dtype, table, force_fp32, force_low, keep_norm_fp32, unlisted_ops=unlisted,
+                   model_fp32=tuple(model_fp32))
 
     def classify(self, op: str) -> tuple[str, str, str]:
         """(class, family, reason); an op the table does not know is denied and reported as unknown."""
@@ -105,14 +111,16 @@ class PrecisionRules:
         return self.keep_norm_fp32 and op in level_of(self.level).mixed_norms
 
     def forced(self, module_path: str, node_name: str) -> tuple[str, str] | None:
-        """('fp32'|'low', rule text) when a force_* pattern names this node or a module around it."""
+        """('fp32'|'low', rule text) when a force_* pattern names this node or a module around it, else
+        ('fp32', why) when the model's keep-in-fp32 list names a module around it."""
         hits = []
         for precision, patterns in (("fp32", self.force_fp32), ("low", self.force_low)):
             for pattern in patterns:
                 if _matches(pattern, module_path, node_name):
                     hits.append((precision, pattern))
         if not hits:
-            return None
+            return next((("fp32", why) for fragment, why in self.model_fp32 if names_module(fragment, module_path)),
+                        None)
         self.matched_patterns.update(p for _, p in hits)
         if len({p for p, _ in hits}) > 1:
             raise ValueError(f"node {node_name!r} (module {module_path!r}) is matched by force_fp32 and "
@@ -146,6 +154,12 @@ def _as_tuple(value, what: str) -> tuple[str, ...]:
     if not all(isinstance(v, str) for v in items):
         raise ValueError(f"{what} must be a list of strings, got {value!r}")
     return items
+
+
+def names_module(fragment: str, module_path: str) -> bool:
+    """Hugging Face's keep-in-fp32 match: the fragment ("wo", "lm_head", "encoder.embed") is a run of whole
+    dotted components of the module path ("decoder.block.0.layer.2.DenseReluDense.wo"), anywhere in it."""
+    return re.search(rf"(^|\.){re.escape(fragment)}($|\.)", module_path) is not None
 
 
 def _matches(pattern: str, module_path: str, node_name: str) -> bool:
