@@ -206,7 +206,8 @@ def nothing_converted_lines(summary: dict, totals: dict) -> list[str]:
     """Said second when no node runs low: what runs instead, and the reason the front end recorded (a model that
     is one opaque call runs under autocast: its numbers are autocast's, not this compiler's)."""
     low = summary.get("dtype")
-    if "parts" in summary or totals["nodes_per_dtype"].get(low, 0):   # in place: the parts block says it
+    ran_low = any(n for dtype, n in totals["nodes_per_dtype"].items() if dtype != "float32")   # fp8 counts too
+    if "parts" in summary or ran_low:   # in place: the parts block says it
         return []
     opaque = summary.get("opaque", {})
     if summary.get("level") == "O0":
