@@ -531,6 +531,35 @@ class FinfoMaskedAttention(nn.Module):
         return self.head(self.norm(h + torch.softmax(scores, -1) @ v))
 
 
+# issue 29, training paths: a time-series transformer whose norm is BatchNorm over tokens (PatchTST's
+# norm="BatchNorm"): x.transpose(1, 2) -> BatchNorm1d -> transpose back, then a view; the O2 train step's view
+# failed on the strides the real batch-norm kernel returns.
+class TimeSeriesTokenBatchNorm(nn.Module):
+    def __init__(self, channels: int = 3, length: int = 12, width: int = 32, classes: int = 4):
+        super().__init__()
+        self.embed = nn.Linear(channels, width)
+        self.position = nn.Parameter(torch.randn(1, length, width) * 0.02)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.norm_attn, self.norm_ff = nn.BatchNorm1d(width), nn.BatchNorm1d(width)
+        self.ff = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.project = nn.Linear(width, width)   # its output is contiguous: the view below is legal in eager
+        self.head = nn.Linear(length * width, classes)
+
+    @staticmethod
+    def _token_norm(norm: nn.BatchNorm1d, h: torch.Tensor) -> torch.Tensor:
+        return norm(h.transpose(1, 2)).transpose(1, 2)
+
+    def forward(self, x):
+        h = self.embed(x) + self.position
+        h = self._token_norm(self.norm_attn, h + self.attn(h, h, h, need_weights=False)[0])
+        h = self.project(self._token_norm(self.norm_ff, h + self.ff(h)))
+        return self.head(h.view(h.shape[0], -1))
+
+
+def series_inputs(size: int) -> tuple:
+    return (torch.randn(size, 12, 3, generator=_generator(size)),)
+
+
 # ------------------------------------------------------------------------------------------- diffusers
 UNET_CHANNELS, UNET_TEXT, UNET_TEXT_DIM = 4, 6, 32
 
@@ -675,6 +704,9 @@ _ALL = [
     RealModel("nn_multihead_attention", "torch.nn", SelfAttentionBlock, attention_inputs, tensor),
     RealModel("nn_moe_index_add", "torch.nn", IndexAddMoE, sequence_inputs, tensor),
     RealModel("nn_finfo_masked_attention", "torch.nn", FinfoMaskedAttention, text_inputs, tensor),
+    # issue 29, training paths (token BatchNorm over a transposed tensor, trained at O2)
+    RealModel("nn_time_series_token_batchnorm", "torch.nn", TimeSeriesTokenBatchNorm, series_inputs, tensor,
+              loss_fn=_cross_entropy, make_label=_class_label(4)),
 ]
 REAL_MODELS: dict[str, RealModel] = {spec.name: spec for spec in _ALL}
 REAL_MODEL_NAMES = tuple(REAL_MODELS)
