@@ -9,7 +9,9 @@ masters, and no forward casts a weight.
 
 Which weights: the fp32 parameters the optimizer holds (requires_grad) whose every read in gm's graph is a cast
 to the low dtype. The others (norm weights, a weight an fp32 op also reads, parameters of leaf modules) stay fp32
-and are cast where read, as before. The user's model keeps its fp32 parameters: they are the masters.
+and are cast where read, as before. The user's model keeps its fp32 parameters: they are the masters. A model
+convert() runs as written with converted children: the weights of every child's graph, as above; a parameter
+held by its modules outside those graphs is read by code as written and stays fp32.
 - Gradients: at the end of each backward the copies' gradients are added into the masters' .grad in fp32, one
   fused operation per device, and the copies' .grad cleared; clipping, GradScaler.unscale_ and accumulation over
   micro-batches (summed in fp32) see master gradients as for an fp32 model. Under DistributedDataParallel the

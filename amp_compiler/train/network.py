@@ -12,6 +12,9 @@ optimizer, or on overflow skips it and puts back the BatchNorm statistics the fo
 parameters, the optimizer state and the buffers stay bit-identical and only the loss scale changes.
 That skip is the rule at every level, with or without a manager, unless the manager says
 drop_overflow_update=False; more than bad_step_max non-finite steps in a row raise (bad_steps.py).
+A forward whose Python reads tensor values (what convert() runs as written with converted children: a
+data-dependent top level, PyG's pooling without a size) cannot be traced with fake tensors: the same step runs
+eagerly (joint_graph.EagerStep; report() says so and why), every buffer restored on a skipped step.
 """
 from __future__ import annotations
 
