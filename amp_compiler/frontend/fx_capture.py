@@ -2,8 +2,10 @@
 
     submodule whose forward fx cannot trace       -> amp_opaque_call(self.<path>, ...)       (reported)
     function wrapped with torch.fx.wrap           -> traced into; opaque when that fails     (reported)
-    custom torch.autograd.Function                -> amp_opaque_call(Fn.apply, ...): its own backward
+    custom torch.autograd.Function (or an alias of Fn.apply) -> amp_opaque_call(Fn.apply, ...): its own backward
     forward() returning an OrderedDict / namedtuple / ModelOutput -> the same type comes back
+    forward(x, keep: int = 0, mask=None)       -> keep, mask baked in (Python values are constants; another
+                                                  value at call time raises)
     submodule with a user hook (not a leaf)   -> amp_opaque_call(self.<path>, ...): its hooks fire (hooks.py)
 
 Leaves are only modules whose precision is decided as one unit (Linear, ConvNd, norms, Embedding, RNNs,
@@ -24,7 +26,7 @@ from torch.fx._symbolic_trace import _find_proxy
 from torch import nn
 
 from amp_compiler.frontend.errors import user_frame
-from amp_compiler.frontend.function_apply import intercepted_function_apply
+from amp_compiler.frontend.function_apply import intercepted_function_apply, original_apply
 from amp_compiler.frontend.hooks import hook_kinds, user_hooks_silenced
 from amp_compiler.passes.fx.canonicalize import LEAF_MODULE_TYPES
 from amp_compiler.passes.fx.opaque_calls import AS_WRITTEN
@@ -164,7 +166,7 @@ def _autograd_functions_kept(tracer: AmpTracer):
         if _find_proxy(args, kwargs) is None:
             return apply(*args, **kwargs)
         why = f"custom autograd.Function {cls.__qualname__}: kept whole so its own backward runs"
-        return tracer.opaque_call(apply, f"{cls.__module__}.{cls.__qualname__}", why, args, kwargs)
+        return tracer.opaque_call(original_apply(cls), f"{cls.__module__}.{cls.__qualname__}", why, args, kwargs)
 
     return intercepted_function_apply(keep)
 

@@ -30,6 +30,7 @@ import inspect
 import logging
 import operator
 import os
+import re
 import time
 import warnings
 
@@ -105,7 +106,13 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
         gm.eval()
         rows = export_rows(gm, config)
         steps.advance("torch.onnx.export")
-        onnx_model = _export(mark_fp8_matmuls(gm), args, dynamic_shapes, fp8=config.fp8 is not None)
+        try:
+            onnx_model = _export(mark_fp8_matmuls(gm), args, dynamic_shapes, fp8=config.fp8 is not None)
+        except Exception as error:
+            failed = autograd_function_failure(gm, model, error)
+            if failed is None:
+                raise
+            raise failed from error
         report = OnnxConversionReport(type(model).__name__, os.fspath(path), config.level, config.low_dtype_name,
                                       config.keep_io_types, weight_bytes_before=fp32_weight_bytes(onnx_model),
                                       warnings=notes)
@@ -275,6 +282,29 @@ def _export(module: nn.Module, args: tuple, dynamic_shapes, fp8: bool = False) -
     if fp8:
         fp8_opset(program.model)   # torch 2.13 writes opset 20: raised to FP8_OPSET (21) by the version converter
     return program.model
+
+
+def autograd_function_failure(gm: fx.GraphModule, model: nn.Module, error: Exception) -> TracingError | None:
+    """One line for a torch.onnx failure inside a custom autograd.Function the graph keeps whole (an opaque call
+    of Fn.apply), instead of torch.onnx's page; None when the failure is elsewhere."""
+    chain, cause = [], error
+    while cause is not None and len(chain) < 16:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    text = "\n".join(str(e) for e in chain)
+    for node in gm.graph.nodes:
+        if "custom autograd.Function" not in str(node.meta.get("amp_opaque", "")) or \
+                not re.search(rf"%{re.escape(node.name)}\b", text):
+            continue
+        function = getattr(operator.attrgetter(node.args[0].target)(gm), "__self__", None)
+        name = getattr(function, "__qualname__", node.name)
+        why = next((line for e in reversed(chain) for line in str(e).splitlines() if line.strip()), type(error).__name__)
+        return TracingError(f"export_onnx: {type(model).__name__} calls the custom autograd.Function {name}, which "
+                            f"torch.onnx cannot write: it traces {name}.forward with torch.export, which fails on it "
+                            f"({type(chain[-1]).__name__}: {why.strip()[:160]}); write that forward with torch ops "
+                            "torch.export can trace, or make it a torch.library custom op and give torch.onnx.export "
+                            "an ONNX translation for it (custom_translation_table)")
+    return None
 
 
 def _weights_beyond_fp16(gm: fx.GraphModule) -> tuple[tuple[str, ...], list[str]]:
