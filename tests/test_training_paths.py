@@ -150,6 +150,9 @@ def test_o2_train_step_of_a_model_run_as_written_stores_its_childrens_weights_lo
     assert losses[-1] < losses[0], losses
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert "steps run eagerly" in step.report() and "reads tensor values" in step.report()
+    converted = amp_compiler.convert(model, "O2", example_inputs=inputs)      # low_weights() takes it too
+    weights = amp_compiler.low_weights(converted, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert {name for pair in weights.pairs for name in pair.names} == stored
 
 
 class TokenBatchNorm(nn.Module):

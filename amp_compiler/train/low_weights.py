@@ -301,7 +301,7 @@ def low_weights(gm: fx.GraphModule, optimizer: torch.optim.Optimizer) -> LowWeig
         raise TypeError("low_weights() takes the GraphModule convert(model, level) returns; for a model converted "
                         "in place use amp_compiler.initialize(model, optimizer, opt_level='O2') (Apex's O2: "
                         "the model's weights low, fp32 masters in the optimizer)")
-    if not isinstance(gm, fx.GraphModule) or "amp" not in gm.meta:
+    if not isinstance(gm, nn.Module) or "amp" not in (gm.__dict__.get("meta") or {}):   # a graph, or run as written
         raise TypeError(f"low_weights() takes the GraphModule amp_compiler.convert(model, 'O2') returns, got "
                         f"{type(gm).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
