@@ -560,6 +560,33 @@ def series_inputs(size: int) -> tuple:
     return (torch.randn(size, 12, 3, generator=_generator(size)),)
 
 
+# issue 29, training paths: a PyG graph classifier pooling with global_mean_pool(x, batch) and no size, which
+# reads int(batch.max()) + 1: convert() runs its top level as written with its convolutions and head converted,
+# and its O2 train step runs eagerly (fake tensors cannot trace that read).
+POOLED_GRAPHS = 4
+
+
+class PooledGCN(nn.Module):
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        from torch_geometric.nn import GCNConv
+        self.conv1, self.conv2 = GCNConv(PYG_FEATURES, hidden), GCNConv(hidden, hidden)
+        self.head = nn.Linear(hidden, PYG_CLASSES)
+
+    def forward(self, x, edge_index, batch):
+        from torch_geometric.nn import global_mean_pool
+        h = F.relu(self.conv2(F.relu(self.conv1(x, edge_index)), edge_index))
+        return self.head(global_mean_pool(h, batch))
+
+
+def pooled_graph_inputs(num_nodes: int) -> tuple:
+    return (*graph_inputs(num_nodes), torch.arange(num_nodes) * POOLED_GRAPHS // num_nodes)
+
+
+def _graph_label(size: int) -> torch.Tensor:
+    return torch.randint(PYG_CLASSES, (POOLED_GRAPHS,), generator=_generator(size, salt=7))
+
+
 # ------------------------------------------------------------------------------------------- diffusers
 UNET_CHANNELS, UNET_TEXT, UNET_TEXT_DIM = 4, 6, 32
 
@@ -707,6 +734,8 @@ _ALL = [
     # issue 29, training paths (token BatchNorm over a transposed tensor, trained at O2)
     RealModel("nn_time_series_token_batchnorm", "torch.nn", TimeSeriesTokenBatchNorm, series_inputs, tensor,
               loss_fn=_cross_entropy, make_label=_class_label(4)),
+    RealModel("pyg_pooled_gcn", "pyg", PooledGCN, pooled_graph_inputs, tensor, sizes=(40, 29),
+              loss_fn=_cross_entropy, make_label=_graph_label),
 ]
 REAL_MODELS: dict[str, RealModel] = {spec.name: spec for spec in _ALL}
 REAL_MODEL_NAMES = tuple(REAL_MODELS)
