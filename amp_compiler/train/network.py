@@ -127,7 +127,8 @@ class TrainStep:
 
     def report(self) -> str:
         """The steps so far: applied, skipped (and how many of those were the scale calibrating itself)."""
-        eager = [joint.graph_module.reason for joint in self._graphs.values() if isinstance(joint.graph_module, EagerStep)]
+        eager = [joint.graph_module.reason for joint in self._graphs.values()
+                 if isinstance(joint.graph_module, EagerStep)]
         return self.history.summary() + (f"\nsteps run eagerly: {eager[0]}" if eager else "")
 
     def clear_traced_graphs(self) -> None:
