@@ -22,7 +22,8 @@ records the first failing check as the cause:
     timeout, crash   the subprocess ran out of time / died
 
 Not run in CI (too slow); run it before closing a front-end or policy change. Prints one row per model
-as it finishes, then the totals per source and the failures grouped by cause.
+as it finishes (with convert()'s seconds and the row's, build and timing included), then the totals per
+source and the failures grouped by cause.
 """
 from __future__ import annotations
 
@@ -329,7 +330,8 @@ def print_row(row: dict) -> None:
     print(f"{row['name']:<44} {_fmt(params / 1e6 if params else None, '7.1f')}M  {verdict:<32} "
           f"err {_fmt(row.get('error_ours'), '9.3g')} / autocast {_fmt(row.get('error_autocast'), '9.3g')} "
           f"(scale {_fmt(row.get('scale'), '8.3g')})  "
-          f"time x{_fmt(row.get('time_ratio'), '5.2f')}  {row.get('detail', '')[:90]}", flush=True)
+          f"time x{_fmt(row.get('time_ratio'), '5.2f')}  convert {_fmt(row.get('convert_s'), '6.1f')} s "
+          f"(row {_fmt(row.get('seconds'), '6.1f')} s)  {row.get('detail', '')[:90]}", flush=True)
 
 
 def summarize(rows: list[dict]) -> None:

@@ -3,7 +3,8 @@
     dynamic dims   every dim of every example tensor starts as Dim.AUTO (given by argument name, so
                    `forward(self, *args)` gets them too): torch.export keeps dynamic what the model allows
                    (batch, sequence, node counts) and fixes the rest; the notes say which. Where that
-                   fails, batch-only, then all fixed, with a note saying why
+                   fails, batch-only, then all fixed, with a note saying why. A dim whose shape reasoning
+                   passes GUARDS_BEFORE_FIXED guards (Swin's padded windows) is fixed, and the notes say so
     guards         the exported `_guards_fn` stays in the graph, behind a check of the fixed dims: a call
                    outside what the graph was specialised to raises a ValueError naming the input, the dim
                    and the captured size; it never computes the wrong branch
@@ -20,11 +21,13 @@ import contextlib
 import copy
 import inspect
 import operator
+import re
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, is_concrete_int
+from torch.fx.experimental import _config as symbolic_config
 
 from amp_compiler.frontend.errors import TracingError, user_frame
 from amp_compiler.frontend.function_apply import intercepted_function_apply
@@ -104,13 +107,24 @@ def _spliced_export(root: nn.Module, example_inputs: tuple, dynamic_shapes, repe
     return graph, unlifted, why_fixed
 
 
+# torch.export's shape reasoning (sympy) grows with the guards it has issued on a dim: each new size question is
+# simplified against all of them. Swin pads every stage to a multiple of its window and merges patches
+# ((H + H % 2) // 2), so its reshapes ask about ever deeper FloorDiv/Mod expressions: torchvision swin_t at 64x64
+# issues 247 guards on H and W and its export takes 120 s dynamic, 2 s static (224x224 on one core: fixed after
+# 60 guards 7.6 s, after 100 13.4 s: the cost per guard grows). The other models the project exports issue at most
+# 51 on one dim (RAFT; HF decoders 1-3, diffusers UNets 13). Past this many guards on one input dim torch itself
+# fixes that dim (its symbol_guard_limit_before_specialize), and the notes say which.
+GUARDS_BEFORE_FIXED = 64
+
+
 def _export_as_dynamic_as_possible(root: nn.Module, example_inputs: tuple, notes: list[str]):
     """(ExportedProgram, why its fixed dims are fixed): every dim Dim.AUTO, else the batch dim only, else none."""
     failures = []
     for dims, why in ((None, "the model fixes it"), ({0}, "dynamic export failed"), (set(), "dynamic export failed")):
         try:
-            exported = torch.export.export(root, example_inputs, dynamic_shapes=_auto_dynamic(root, example_inputs, dims),
-                                           strict=False)
+            with symbolic_config.patch(symbol_guard_limit_before_specialize=GUARDS_BEFORE_FIXED):
+                exported = torch.export.export(root, example_inputs,
+                                               dynamic_shapes=_auto_dynamic(root, example_inputs, dims), strict=False)
         except Exception as error:  # noqa: BLE001 - some models only export with fewer dynamic dims
             if (not dims and dims is not None) or isinstance(error, GuardOnDataDependentSymNode):
                 raise   # fewer dynamic dims cannot decide a branch on tensor values: each try cost a full export
@@ -120,7 +134,24 @@ def _export_as_dynamic_as_possible(root: nn.Module, example_inputs: tuple, notes
             kept = "only the batch dim (0) dynamic" if dims else "every input dim fixed"
             notes.append(f"{kept}: export with dynamic dims failed ({'; '.join(failures)})")
             why = f"{why}: {failures[0]}"
+        costly = dims_fixed_for_cost(exported)
+        if costly:
+            notes.append(f"{', '.join(costly)} fixed: torch.export's shape reasoning on them passed {GUARDS_BEFORE_FIXED} "
+                         "guards each (minutes of capture); convert(..., dynamic_shapes=...) keeps them dynamic, slowly")
+            why = f"{why}, or its shape reasoning passed {GUARDS_BEFORE_FIXED} guards ({', '.join(costly)})"
         return exported, why
+
+
+def dims_fixed_for_cost(exported) -> list[str]:
+    """The input dims ("x.size()[2]") torch.export fixed because their shape reasoning passed GUARDS_BEFORE_FIXED."""
+    values = (n.meta.get("val") for n in exported.graph.nodes if n.op == "placeholder")
+    fake_mode = next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
+    env = getattr(fake_mode, "shape_env", None)
+    if env is None:
+        return []
+    over = [symbol for symbol, count in env.symbol_guard_counter.items() if count > GUARDS_BEFORE_FIXED]
+    return sorted({re.sub(r"L\['([^']+)'\]", r"\1", source.name) for symbol in over
+                   for source in env.var_to_sources.get(symbol, [])})
 
 
 def _auto_dynamic(root: nn.Module, example_inputs: tuple, dims: set[int] | None = None):
