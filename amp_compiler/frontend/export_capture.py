@@ -136,8 +136,9 @@ def _export_as_dynamic_as_possible(root: nn.Module, example_inputs: tuple, notes
             why = f"{why}: {failures[0]}"
         costly = dims_fixed_for_cost(exported)
         if costly:
-            notes.append(f"{', '.join(costly)} fixed: torch.export's shape reasoning on them passed {GUARDS_BEFORE_FIXED} "
-                         "guards each (minutes of capture); convert(..., dynamic_shapes=...) keeps them dynamic, slowly")
+            notes.append(f"{', '.join(costly)} fixed: torch.export's shape reasoning on them passed "
+                         f"{GUARDS_BEFORE_FIXED} guards each (minutes of capture); convert(..., dynamic_shapes=...) "
+                         "keeps them dynamic, slowly")
             why = f"{why}, or its shape reasoning passed {GUARDS_BEFORE_FIXED} guards ({', '.join(costly)})"
         return exported, why
 
