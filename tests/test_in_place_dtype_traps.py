@@ -45,6 +45,27 @@ def test_making_an_in_place_converted_model_low_says_call_float_once(low):
         amp_compiler.convert(NormedHead().to(low), "O1", inplace=True)
 
 
+class Projection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_a_graph_that_still_runs_on_the_low_weights_says_it_too():
+    """The graph captured before .half() takes the same fp32 call (no capture refuses anything): before, silent."""
+    torch.manual_seed(0)
+    model, x = Projection().eval(), torch.randn(2, 8)
+    amp_compiler.convert(model, "O1", inplace=True)
+    model(x)
+    model.half()
+    said = _calls_warning(model, x)
+    assert len(said) == 1 and "Projection has torch.float16 parameters" in said[0], said
+    assert model._amp_in_place.captured == 1   # the graph ran: nothing was captured again
+
+
 def test_apex_initialize_keeps_working_without_the_warning():
     """Apex's O2 casts the weights low on purpose: no warning."""
     torch.manual_seed(0)

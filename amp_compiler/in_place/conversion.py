@@ -54,13 +54,20 @@ class InPlaceConversion:
     warned_low_parameters: bool = False   # the model was made fp16/bf16 after converting: said once
 
     def before_outermost_call(self) -> None:
-        """Once per model call, before any part runs: the frozen copies whose weights' values changed go."""
+        """Once per model call, before any part runs: the frozen copies whose weights' values changed go; a model
+        made fp16/bf16 since converting is told so (its first floating parameter is read: model.half() casts all,
+        a part cast alone is met when its capture refuses it)."""
         if self.values_checked is not None:
             self.values_checked.check()
+        if not self.warned_low_parameters:
+            first = next((p for p in self.model.parameters() if p.is_floating_point()), None)
+            if first is not None and first.dtype in (torch.float16, torch.bfloat16):
+                self.warn_if_made_low(self.model)
 
     def warn_if_made_low(self, module: nn.Module) -> None:
-        """A capture refused `module`'s fp16/bf16 parameters (model.half() or .to(bfloat16) after converting): say
-        once what convert() says of such a model, since from now on every part runs plain low, norms included."""
+        """`module` has fp16/bf16 parameters (model.half() or .to(bfloat16) after converting): say once what
+        convert() says of such a model. Every later capture refuses them (the parts run plain low, norms
+        included), and the graphs captured before compute with the rounded weights."""
         if self.warned_low_parameters or self.weights_cast_low:   # Apex's O2/O3 cast them on purpose
             return
         try:
@@ -68,8 +75,9 @@ class InPlaceConversion:
         except ValueError as refusal:
             self.warned_low_parameters = True
             warnings.warn(f"amp_compiler: {refusal} Its parameters became low after convert(..., inplace=True) "
-                          "(model.half() or model.to(dtype)): no part can be captured any more, so they run as "
-                          "written in that dtype, attention and norms included.", UserWarning, stacklevel=6)
+                          "(model.half() or model.to(dtype)): the graphs captured before compute with the rounded "
+                          "weights, and no part can be captured any more (those run as written in that dtype, "
+                          "attention and norms included).", UserWarning, stacklevel=6)
 
     def _joined_check(self):
         if self.values_checked is None:
