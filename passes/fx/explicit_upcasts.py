@@ -50,7 +50,7 @@ def is_upcast(node: fx.Node) -> bool:
     """The model's own cast of a float value to float32."""
     source = node.args[0] if node.args else None
     return is_user_cast(node) and isinstance(source, fx.Node) and \
-        is_float(facts(source).get("original_dtype", facts(source).get("dtype"))) and _writes_float32(node)
+        is_float(facts(source).get("dtype")) and _writes_float32(node)
 
 
 def spelling(node: fx.Node) -> str:
