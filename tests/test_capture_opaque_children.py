@@ -67,4 +67,5 @@ def test_an_untraceable_child_fed_an_attribute_of_another_ones_output_converts(e
     gm = amp_compiler.convert(model, "O1", example_inputs=(x,) if example else None)
     assert set(gm.meta["amp"]["opaque"]) == {"encoder", "decoder"}   # each runs as written, under autocast
     assert_close_to_fp32(gm(x), model(x), torch.float16)
+    amp_compiler.verify(gm, x)   # the encoder's dataclass comes back fp32, as recorded (its fields stayed low)
     assert len(exports) == (1 if example else 0)   # a branch on values: fewer dynamic dims cannot help (was 6)

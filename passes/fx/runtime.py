@@ -16,6 +16,7 @@ Saved files name these by module path: moving one breaks old files (amp_compiler
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -99,9 +100,13 @@ def amp_opaque_call(callee, policy: tuple, *args, **kwargs):
         out = callee(*args, **kwargs)
     if output_dtype is None:
         return out
-    return torch.utils._pytree.tree_map(
-        lambda v: v.to(output_dtype) if isinstance(v, torch.Tensor) and is_float(v.dtype)
-        and v.dtype != output_dtype else v, out)
+    cast = lambda v: v.to(output_dtype) if isinstance(v, torch.Tensor) and is_float(v.dtype) \
+        and v.dtype != output_dtype else v  # noqa: E731
+    if dataclasses.is_dataclass(out) and not isinstance(out, type) and torch.utils._pytree._is_leaf(out):
+        # a plain dataclass (an encoder's EncoderOutput) is a pytree leaf: its fields would stay low
+        return dataclasses.replace(out, **{f.name: torch.utils._pytree.tree_map(cast, getattr(out, f.name))
+                                           for f in dataclasses.fields(out) if f.init})
+    return torch.utils._pytree.tree_map(cast, out)
 
 
 def strided_last_dim(tensor: torch.Tensor) -> bool:

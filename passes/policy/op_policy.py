@@ -138,6 +138,8 @@ _TABLE: list[OpRule] = [
             "as one unit, inputs uncast (it may write into them)", "opaque_call"),
     *_rules("ignore", "guards", "checks that a call fits what the graph was specialised to: no math", "guards"),
     *_rules("ignore", "metadata", "the module's train/eval flag, read at run time", "training_flag"),
+    *_rules("ignore", "metadata", "a dropout probability that follows the train flag (torch.export baked it): a "
+            "Python float, no tensor", "dropout_p_when_training"),
     *_rules("ignore", "control_flow", "loop-carried values keep their dtype across iterations; the body's ops are "
             "painted and cast inside the body", "while_loop scan"),
 ]
