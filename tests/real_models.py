@@ -648,71 +648,39 @@ class IndexAddMoE(nn.Module):
         return self.head(x + out.reshape(batch, length, dim))
 
 
-# issue 29, capture front end: a causal LM called without logits_to_keep (an int default HF's slicing reads;
-# traced as a graph input, the logits lost their sequence dim), and an encoder/decoder split where neither child
-# traces (an attribute of the encoder's output feeds the decoder: a deleted getattr node; six failing exports).
-class KeepLogitsCausalLM(nn.Module):
-    """Embedding -> causal self-attention -> MLP -> LM head; `logits_to_keep` sliced as HF's *ForCausalLM do."""
+# issue 29, numerics of the decisions: a Gemma decoder (its RMSNorm upcasts with x.float(), scales by
+# 1 + weight.float() and casts back with type_as) and a plain-torch LM whose RMSNorm and LayerNorm are written
+# by hand (no upcast): both train at O2 (fp16 skipped every step while O2 ran their norms' ops low).
+def _gemma() -> nn.Module:
+    return _hf("GemmaForCausalLM", "GemmaConfig", "sdpa", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+               max_position_embeddings=64, use_cache=False)
+
+
+class HandWrittenNormsLM(nn.Module):
+    """Pre-norm blocks with an RMSNorm by hand (x * rsqrt(mean(x^2) + eps) * w) and a final LayerNorm by hand.
+    Embeddings start at std 0.02 as GPT's and Llama's do: rsqrt of their mean square is ~50, its cube past fp16."""
 
     def __init__(self, width: int = 32):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, width)
-        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.norm_weight = nn.Parameter(torch.ones(width))
+        self.ff = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.final_weight, self.final_bias = nn.Parameter(torch.ones(width)), nn.Parameter(torch.zeros(width))
         self.head = nn.Linear(width, VOCAB)
 
-    def forward(self, input_ids, attention_mask=None, logits_to_keep: int = 0):
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-        h = self.embed(input_ids)
-        q, k, v = self.qkv(h).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)   # 3 x (batch, heads, length, dim)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
-        h = self.norm(h + self.out(attended))
-        h = h + self.mlp(h)
-        positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return CausalLMOutputWithPast(logits=self.head(h[:, positions, :]))
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
+        h = h + self.ff(normed)
+        centred = h - h.mean(-1, keepdim=True)
+        h = centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5) * self.final_weight + self.final_bias
+        return self.head(h)
 
 
-@dataclass
-class _FeatureMaps:
-    feature_maps: torch.Tensor
-    pooled: torch.Tensor
-
-
-class _GuardedEncoder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Conv2d(3, 16, 3, padding=1)
-        self.blocks = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1))
-        self.pool = nn.Linear(16, 16)
-
-    def forward(self, x):
-        h = self.blocks(F.relu(self.stem(x)))
-        if h.abs().max() > 1e4:   # data-dependent Python (a guard against fp16 overflow): no front end traces it
-            h = h / h.abs().max()
-        return _FeatureMaps(feature_maps=h, pooled=self.pool(h.mean((2, 3))))
-
-
-class _GuardedDecoder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(16, 8, 3, padding=1)
-        self.classify = nn.Conv2d(8, 4, 1)
-
-    def forward(self, maps):
-        y = F.relu(self.conv(maps))
-        if not torch.isfinite(y).all():
-            y = torch.nan_to_num(y)
-        return self.classify(y)
-
-
-class UntraceableEncoderDecoder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.encoder, self.decoder = _GuardedEncoder(), _GuardedDecoder()
-
-    def forward(self, x):
-        return self.decoder(self.encoder(x).feature_maps)
+def _token_logits_cross_entropy(out, label):
+    return F.cross_entropy(out.flatten(0, 1), label.flatten())
 
 
 # ---------------------------------------------------------------------------------------- training data
@@ -798,14 +766,16 @@ _ALL = [
     RealModel("nn_multihead_attention", "torch.nn", SelfAttentionBlock, attention_inputs, tensor),
     RealModel("nn_moe_index_add", "torch.nn", IndexAddMoE, sequence_inputs, tensor),
     RealModel("nn_finfo_masked_attention", "torch.nn", FinfoMaskedAttention, text_inputs, tensor),
+    # issue 29, numerics of the decisions (the model's upcasts, hand-written norms, trained at O2)
+    RealModel("hf_gemma", "transformers", _gemma, text_inputs, logits, loss_fn=_lm_cross_entropy,
+              make_label=_token_label),
+    RealModel("nn_hand_written_norms", "torch.nn", HandWrittenNormsLM, lambda s: (_tokens(s),), tensor,
+              loss_fn=_token_logits_cross_entropy, make_label=_token_label),
     # issue 29, training paths (token BatchNorm over a transposed tensor, trained at O2)
     RealModel("nn_time_series_token_batchnorm", "torch.nn", TimeSeriesTokenBatchNorm, series_inputs, tensor,
               loss_fn=_cross_entropy, make_label=_class_label(4)),
     RealModel("pyg_pooled_gcn", "pyg", PooledGCN, pooled_graph_inputs, tensor, sizes=(40, 29),
               loss_fn=_cross_entropy, make_label=_graph_label),
-    # issue 29, capture front end (an int default kept out of the graph's inputs; children that do not trace)
-    RealModel("nn_causal_lm_logits_to_keep", "torch.nn", KeepLogitsCausalLM, lambda s: (_tokens(s),), logits),
-    RealModel("nn_untraceable_encoder_decoder", "torch.nn", UntraceableEncoderDecoder, image_inputs, tensor),
 ]
 REAL_MODELS: dict[str, RealModel] = {spec.name: spec for spec in _ALL}
 REAL_MODEL_NAMES = tuple(REAL_MODELS)
