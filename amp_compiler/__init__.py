@@ -22,6 +22,7 @@ from amp_compiler.passes.policy.op_policy import default_lists
 from amp_compiler.passes.fx.constant_range import FP16RangeWarning
 from amp_compiler.frontend.hooks import HookWarning
 from amp_compiler.in_place import CaptureLimitWarning, restore
+from amp_compiler.dynamo import compile  # noqa: A004  (TorchDynamo capture, opt-in: amp_compiler/dynamo/)
 
 __all__ = ["convert", "explain", "PrecisionReport", "TracingError", "AmpConfig", "make_config",
            "default_lists", "verify", "DtypeMismatch"]

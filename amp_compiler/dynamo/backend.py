@@ -1,0 +1,65 @@
+"""amp_backend(config): a torch.compile backend that runs the project's fx pipeline on each graph dynamo captures.
+
+Dynamo calls the backend once per graph (graph breaks give several, recompiles more); the graph is rewritten in
+place (it is ours: dynamo hands over a fresh GraphModule and guards on the model and the inputs, never on it) and
+run as fx code, or handed to inductor in the same compilation. Nothing dynamo guards on is touched: no example input
+is run, no module attribute is set (the list of graphs lives in a table keyed by the model, graphs()).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Callable
+
+import torch.fx as fx
+from torch import nn
+
+from amp_compiler.config import AmpConfig
+from amp_compiler.convert import collector_paused, compile_graph
+from amp_compiler.dynamo.graph_inputs import parameter_names, prepare_graph
+from amp_compiler.frontend import CapturedGraph
+
+FRONTEND = "torch.dynamo"
+BACKENDS = ("eager", "inductor")
+_GRAPHS: "weakref.WeakKeyDictionary[object, list[fx.GraphModule]]" = weakref.WeakKeyDictionary()
+
+
+def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module | None = None) -> Callable:
+    """A dynamo backend `(gm, example_inputs) -> callable`: the graph converted by `config`'s level, run as fx code
+    (backend="eager") or compiled by inductor (backend="inductor"). `model`: the compiled model, when known; its
+    parameters name the graph's weight inputs and graphs(model) lists what was converted."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+
+    def convert_graph(gm: fx.GraphModule, example_inputs) -> Callable:
+        converted = convert_captured_graph(gm, example_inputs, config, model)
+        if model is not None:
+            _GRAPHS.setdefault(model, []).append(converted)
+        convert_graph.graphs.append(converted)
+        if backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(converted, list(example_inputs))
+        return converted
+
+    convert_graph.graphs = []   # every graph this backend converted (graphs(model) when the model is known)
+    return convert_graph
+
+
+def convert_captured_graph(gm: fx.GraphModule, example_inputs, config: AmpConfig,
+                           model: nn.Module | None = None) -> fx.GraphModule:
+    """FX_PIPELINE on dynamo's graph itself (no re-trace, no copy); the decisions stay in its meta["amp"]."""
+    started = time.perf_counter()
+    names = parameter_names(gm, example_inputs, model)
+    prepare_graph(gm)
+    captured = CapturedGraph(gm, FRONTEND, model=gm, example_inputs=tuple(example_inputs))
+    with collector_paused():
+        converted = compile_graph(captured, config, follow_flags=False, spend_capture=True)
+    converted.meta["amp"].update({"graph_inputs": names, "conversion_s": time.perf_counter() - started,
+                                  "nodes_captured": sum(1 for _ in converted.graph.nodes)})
+    return converted
+
+
+def graphs(model) -> list[fx.GraphModule]:
+    """The converted graphs of a model compiled by amp_compiler.compile, in the order dynamo made them (each one
+    takes amp_compiler.explain)."""
+    return list(_GRAPHS.get(model, ()))
