@@ -683,6 +683,73 @@ def _token_logits_cross_entropy(out, label):
     return F.cross_entropy(out.flatten(0, 1), label.flatten())
 
 
+# issue 29, capture front end: a causal LM called without logits_to_keep (an int default HF's slicing reads;
+# traced as a graph input, the logits lost their sequence dim), and an encoder/decoder split where neither child
+# traces (an attribute of the encoder's output feeds the decoder: a deleted getattr node; six failing exports).
+class KeepLogitsCausalLM(nn.Module):
+    """Embedding -> causal self-attention -> MLP -> LM head; `logits_to_keep` sliced as HF's *ForCausalLM do."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids, attention_mask=None, logits_to_keep: int = 0):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        h = self.embed(input_ids)
+        q, k, v = self.qkv(h).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)   # 3 x (batch, heads, length, dim)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        h = self.norm(h + self.out(attended))
+        h = h + self.mlp(h)
+        positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return CausalLMOutputWithPast(logits=self.head(h[:, positions, :]))
+
+
+@dataclass
+class _FeatureMaps:
+    feature_maps: torch.Tensor
+    pooled: torch.Tensor
+
+
+class _GuardedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.blocks = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1))
+        self.pool = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.blocks(F.relu(self.stem(x)))
+        if h.abs().max() > 1e4:   # data-dependent Python (a guard against fp16 overflow): no front end traces it
+            h = h / h.abs().max()
+        return _FeatureMaps(feature_maps=h, pooled=self.pool(h.mean((2, 3))))
+
+
+class _GuardedDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(16, 8, 3, padding=1)
+        self.classify = nn.Conv2d(8, 4, 1)
+
+    def forward(self, maps):
+        y = F.relu(self.conv(maps))
+        if not torch.isfinite(y).all():
+            y = torch.nan_to_num(y)
+        return self.classify(y)
+
+
+class UntraceableEncoderDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.decoder = _GuardedEncoder(), _GuardedDecoder()
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x).feature_maps)
+
+
 # ---------------------------------------------------------------------------------------- training data
 def _class_label(classes: int) -> Callable[[int], torch.Tensor]:
     return lambda size: torch.randint(classes, (size,), generator=_generator(size, salt=7))
@@ -776,6 +843,9 @@ _ALL = [
               loss_fn=_cross_entropy, make_label=_class_label(4)),
     RealModel("pyg_pooled_gcn", "pyg", PooledGCN, pooled_graph_inputs, tensor, sizes=(40, 29),
               loss_fn=_cross_entropy, make_label=_graph_label),
+    # issue 29, capture front end (an int default kept out of the graph's inputs; children that do not trace)
+    RealModel("nn_causal_lm_logits_to_keep", "torch.nn", KeepLogitsCausalLM, lambda s: (_tokens(s),), logits),
+    RealModel("nn_untraceable_encoder_decoder", "torch.nn", UntraceableEncoderDecoder, image_inputs, tensor),
 ]
 REAL_MODELS: dict[str, RealModel] = {spec.name: spec for spec in _ALL}
 REAL_MODEL_NAMES = tuple(REAL_MODELS)
