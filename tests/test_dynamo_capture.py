@@ -189,3 +189,12 @@ def test_the_backend_runs_no_input_and_a_second_identical_call_recompiles_nothin
     assert model[1].num_batches_tracked.item() == 2
     assert counters["stats"]["unique_graphs"] == captured and len(graphs(model)) == 1
     assert not counters["recompiles"]
+
+
+def test_the_ninth_compiled_model_is_still_compiled():
+    # dynamo stops compiling a code object after its recompile limit (8): models must not share one
+    models = [nn.Sequential(nn.Linear(8, 8)) for _ in range(10)]
+    for model in models:
+        amp_compiler.compile(model, "O1", dtype=torch.bfloat16, backend="eager")
+        model(torch.randn(2, 8))
+    assert [len(graphs(model)) for model in models] == [1] * 10

@@ -30,8 +30,11 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
     parameters name the graph's weight inputs and graphs(model) lists what was converted."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    # dynamo's code cache keeps the backend alive until torch._dynamo.reset(): a weak reference lets the model go
+    model_ref = weakref.ref(model) if model is not None else lambda: None
 
     def convert_graph(gm: fx.GraphModule, example_inputs) -> Callable:
+        model = model_ref()
         converted = convert_captured_graph(gm, example_inputs, config, model)
         if model is not None:
             _GRAPHS.setdefault(model, []).append(converted)
