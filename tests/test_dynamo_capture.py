@@ -198,3 +198,14 @@ def test_the_ninth_compiled_model_is_still_compiled():
         amp_compiler.compile(model, "O1", dtype=torch.bfloat16, backend="eager")
         model(torch.randn(2, 8))
     assert [len(graphs(model)) for model in models] == [1] * 10
+
+
+def test_dynamo_placeholder_and_module_names_read_as_the_users_paths():
+    from amp_compiler.dynamo.graph_inputs import name_from_placeholder, user_path
+    assert name_from_placeholder("l_self_modules_fc_parameters_weight_") == "fc.weight"
+    assert name_from_placeholder("l_module_modules_model_modules_embed_tokens_parameters_weight_") == \
+        "model.embed_tokens.weight"
+    assert name_from_placeholder("l_args_0_modules_norm_buffers_running_mean_") == "norm.running_mean"
+    assert name_from_placeholder("l_input_ids_") is None
+    assert user_path("L['module'].model.layers.0.mlp") == "model.layers.0.mlp"
+    assert user_path("L['args'][0].encoder") == "encoder" and user_path("L['self']") == ""
