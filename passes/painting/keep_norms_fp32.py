@@ -6,6 +6,7 @@ decide.py, any IR): a hand-written norm is a norm.
                                                        rule "norm: a hand-written RMSNorm (pow -> mean -> ...)"
     u = x.mean(-1, keepdim=True); s = (x - u).pow(2).mean(-1, keepdim=True)   # a LayerNorm by hand: mean, sub too
     x = (x - u) / torch.sqrt(s + eps)
+    x = g * (x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=eps))   # ScaleNorm: ||x|| at once
 
 nn.LayerNorm and nn.RMSNorm are one op each, which the level keeps fp32 (O1 by the policy, O2 by
 keep_batchnorm_fp32); written as pointwise ops, O2 would lower every one of them, and in fp16 the backward
@@ -23,8 +24,8 @@ from typing import Callable, Hashable, Sequence
 import networkx as nx
 
 from amp_compiler.passes.painting.paint_precision import keep_fp32
-from amp_compiler.passes.policy.numerics import (NORM_CENTRING, NORM_MEANS, NORM_NORMALISERS, NORM_ROOTS,
-                                                NORM_SPREADS, NORM_SQUARES, NORM_STATISTIC_STEPS)
+from amp_compiler.passes.policy.numerics import (NORM_CENTRING, NORM_MAGNITUDES, NORM_MEANS, NORM_NORMALISERS,
+                                                NORM_ROOTS, NORM_SPREADS, NORM_SQUARES, NORM_STATISTIC_STEPS)
 
 MAX_STATISTIC_STEPS = 4   # + eps, clamp, root, 1 / root: a longer chain is no norm's statistic
 
@@ -36,7 +37,7 @@ def hand_written_norms(view: nx.DiGraph, op: Callable[[Hashable], str | None],
     tensors it reads (constants left out), in or out of the view."""
     found: dict[Hashable, tuple[str, list]] = {}
     starts = [[n, m] for n in view if _squares(n, op, inputs) for m in view.successors(n) if op(m) in NORM_MEANS]
-    starts += [[n] for n in view if op(n) in NORM_SPREADS]
+    starts += [[n] for n in view if op(n) in NORM_SPREADS | NORM_MAGNITUDES]
     for members in starts:
         normaliser = _statistic_to_normaliser(view, members, op, inputs)
         if normaliser is None:
@@ -48,7 +49,8 @@ def hand_written_norms(view: nx.DiGraph, op: Callable[[Hashable], str | None],
                 centre = [m for m in inputs(data)[1:] if m in view and op(m) in NORM_MEANS]
                 if centre:
                     centring += [c for c in (*centre, data) if c not in centring and c not in members]
-        kind = "LayerNorm" if centring or op(members[0]) in NORM_SPREADS else "RMSNorm"
+        kind = "LayerNorm" if centring or op(members[0]) in NORM_SPREADS else \
+            "ScaleNorm" if op(members[0]) in NORM_MAGNITUDES else "RMSNorm"
         members[:0] = centring
         for node in members:
             found.setdefault(node, (kind, members))
@@ -64,7 +66,7 @@ def _squares(node, op, inputs) -> bool:
 def _statistic_to_normaliser(view, members: list, op, inputs):
     """Walk from the moment (members[-1]) through + eps, a root and 1/root to the mul/div that normalises the
     data with it; appends the steps to `members` and returns the normaliser, or None where the shape ends."""
-    rooted = op(members[-1]) == "std"
+    rooted = op(members[-1]) in ("std", *NORM_MAGNITUDES)
     for _ in range(MAX_STATISTIC_STEPS + 1):
         readers = list(view.successors(members[-1]))
         normalisers = [r for r in readers if rooted and op(r) in NORM_NORMALISERS and len(set(inputs(r))) == 2]

@@ -100,6 +100,7 @@ NORM_SQUARES = frozenset({"pow", "square"})            # x.pow(2) (or mul(x, x))
 NORM_MEANS = frozenset({"mean"})                       # .mean(-1, keepdim=True): the moment (and the centre)
 NORM_SPREADS = frozenset({"var", "std"})               # x.var(-1, unbiased=False), x.std(-1): the moment at once
 NORM_ROOTS = frozenset({"sqrt", "rsqrt"})              # the root of the moment
+NORM_MAGNITUDES = frozenset({"norm", "vector_norm"})   # ||x|| at once (ScaleNorm: g * x / ||x||): a rooted moment
 NORM_STATISTIC_STEPS = frozenset({"add", "clamp", "clamp_min", "reciprocal", "div"})   # + eps, 1 / root
 NORM_NORMALISERS = frozenset({"mul", "div"})           # x * rsqrt(...), (x - mean) / sqrt(...)
 NORM_CENTRING = frozenset({"sub"})                     # x - x.mean(-1, keepdim=True): a LayerNorm, not an RMSNorm

@@ -65,8 +65,12 @@ _TABLE: list[OpRule] = [
             "exp expm1 exp2 log log2 log10 log1p pow float_power reciprocal rsqrt acos asin cosh sinh tan "
             "erfinv softplus lgamma digamma"),
     *_rules("deny", "reduction", "reductions accumulate many terms: fp16 overflows past 65504 and rounds",
-            "sum prod cumsum cumprod logsumexp std var var_mean std_mean norm vector_norm matrix_norm "
-            "frobenius_norm nuclear_norm renorm normalize cosine_similarity dist pdist cdist trace"),
+            "sum prod cumsum cumprod logsumexp std var var_mean std_mean nuclear_norm renorm "
+            "cosine_similarity dist pdist cdist trace"),
+    # A norm family, not a reduction: levels that keep norms fp32 (O2) keep these too. ScaleNorm's ||h|| of
+    # activations of 2100 over 1024 features is 67200: inf in fp16, every output NaN.
+    *_rules("deny", "norm", "a vector norm squares and sums its inputs: past 65504 in fp16 where each input fits "
+            "(kept fp32 wherever norms are)", "norm vector_norm matrix_norm frobenius_norm normalize"),
     *_rules("deny", "reduction", "weight normalisation divides by a weight's norm over all but one dim: a reduction "
             "(autocast leaves it in its fp32 weights' dtype)", "weight_norm"),
     *_rules("deny", "resample", "interpolation weights sum many neighbours; autocast keeps it fp32",
