@@ -1,4 +1,4 @@
-"""TorchDynamo as a capture front end (issue 30, first step; opt-in): amp_compiler.compile(model, level).
+"""TorchDynamo as a capture front end (opt-in for now): amp_compiler.compile(model, level).
 
 What it is: a torch.compile backend (backend.amp_backend) that runs the project's fx pipeline on every graph dynamo
 captures (graph breaks, guards, recompiles and dynamic shapes are dynamo's), then runs the rewritten graph as fx
@@ -6,7 +6,7 @@ code (backend="eager") or hands it to inductor (backend="inductor"). Each graph 
 gm.meta["amp"] (explain(graph) works); graphs(model) lists them. Module paths come from dynamo's nn_module_stack and
 weight inputs are named by the user's parameters (graph_inputs.py says what that relies on).
 
-What it is not yet: convert(inplace=True) and the integrations still use in_place/ (a later step switches them);
+What it is not yet: convert(inplace=True) and the integrations still use in_place/ (they are to move onto it);
 there is no weight-cast cache, so every weight is cast on every call (decode is slower than autocast's cached
 casts); explain(model) does not merge the graphs into one report.
 
