@@ -1,6 +1,7 @@
 """Shared test helpers: tolerances, runtime dtype recording, graph queries."""
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import torch
@@ -110,3 +111,15 @@ class WithLoss(torch.nn.Module):
 
     def forward(self, inputs, target):
         return self.loss_fn(self.model(inputs), target)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch's intra-op pool at one thread for the block (tiny models: bit-identical runs, no pool contention on
+    shared cores), restored after: the body of each test file's `one_thread` fixture."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

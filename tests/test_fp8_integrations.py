@@ -23,6 +23,7 @@ from torch import nn
 import amp_compiler
 from amp_compiler.in_place import in_place_conversion
 from amp_compiler.in_place.fp8_histories import STATE_NAME
+from amp_testing import one_torch_thread
 
 SCALINGS = ("current", "delayed")
 FP8 = dict(fp8_min_dim=16)
@@ -35,10 +36,8 @@ WIDTH, CLASSES, BATCH = 32, 16, 8
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # tiny matmuls: bit-identical runs, no thread pool contention on 2 cores
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():   # tiny matmuls: bit-identical runs, no thread pool contention on 2 cores
+        yield
 
 
 class Mlp(nn.Module):

@@ -25,7 +25,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import amp_compiler
 from amp_compiler.in_place import in_place_conversion
-from amp_testing import AtenDtypeRecorder, assert_close_to_fp32
+from amp_testing import AtenDtypeRecorder, assert_close_to_fp32, one_torch_thread
 
 pytestmark = pytest.mark.real_models
 
@@ -74,10 +74,8 @@ SOFTMAX_OPS = ("_softmax", "_safe_softmax", "_scaled_dot_product_flash_attention
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # bit-identical runs; tiny models gain nothing from threads
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():   # bit-identical runs; tiny models gain nothing from threads
+        yield
 
 
 def build(name: str, seed: int = 0):

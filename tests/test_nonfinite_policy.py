@@ -10,6 +10,7 @@ from torch import nn
 from amp_compiler import (DynamicLossScaleManager, FixedLossScaleManager, NonFiniteGradientsError, Overflow,
                           build_train_network)
 from amp_compiler.train.bad_steps import BAD_STEP_MAX
+from amp_testing import one_torch_thread
 
 
 def tiny_model():
@@ -45,10 +46,8 @@ CONFIGS = {   # (level, dtype, manager factory or None for the level's default, 
 @pytest.fixture
 def one_thread():
     """Tiny tensors: the intra-op thread pool costs more than it saves (5 ms a step against 0.4 ms)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

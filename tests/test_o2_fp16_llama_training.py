@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from amp_compiler import build_train_network
+from amp_testing import one_torch_thread
 
 VOCAB, LENGTH, BATCH, LR = 96, 16, 4, 3e-3
 
@@ -75,10 +76,8 @@ def _fp32_losses(tied: bool, rope: str, steps: int) -> list[float]:
 @pytest.fixture(autouse=True)
 def one_thread():
     """A tiny model's kernels are faster on one thread than on two cores others share (autocast fp16: 4x)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def test_o2_fp16_llama_applies_autocasts_steps_and_trains_within_2_percent_of_fp32():

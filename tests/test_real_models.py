@@ -28,7 +28,7 @@ from amp_compiler import build_train_network, convert, explain
 from amp_compiler.frontend.fx_capture import AmpTracer
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.runner import checking_passes
-from amp_testing import RELATIVE_TOLERANCE, AtenDtypeRecorder
+from amp_testing import RELATIVE_TOLERANCE, AtenDtypeRecorder, one_torch_thread
 from golden import decisions as golden
 from onnx_testing import onnx_inputs
 from real_models import ONNX_NAMES, REAL_MODEL_NAMES, REAL_MODELS, TRAIN_NAMES
@@ -57,10 +57,8 @@ O1_MIXED_NORMS = ("native_group_norm", "native_batch_norm", "_native_batch_norm_
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 # ------------------------------------------------------------------------------------------- helpers
