@@ -151,6 +151,8 @@ class FrozenWeights(nn.Module):
 
     def read(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.casts_each_call(weight):
+            if self._copies and torch.is_grad_enabled() and weight.requires_grad:
+                self.clear()   # a training step follows: the copies would be stale, and their bytes are wanted
             return amp_cast(weight, dtype)
         return self._copy(weight, dtype, lambda w: (w.to(dtype), None)).low
 
@@ -267,6 +269,48 @@ def _packed_copy(input, weight, bias) -> torch.Tensor | None:
     return copy.packed
 
 
+@graph_leaf
+def packed_frozen_linear(input, weight, bias, dtype: torch.dtype, copies):
+    """linear(input, weight in `dtype`, bias) where the cache `copies` keeps only the weight's oneDNN-packed bf16
+    copy (no plain one: the bytes of autocast's cached cast, not twice them). Wherever a packed copy cannot serve
+    (autograd needs the weight, not a bf16 CPU oneDNN linear, torch.compile tracing) it casts and runs linear."""
+    if (copies.casts_each_call(weight) or dtype is not torch.bfloat16 or input.dtype is not dtype
+            or weight.device.type != "cpu" or weight.dim() != 2 or input.dim() < 2 or input.requires_grad
+            or (bias is not None and bias.dtype is not dtype) or not _packing_available()):
+        return torch._C._nn.linear(input, copies.read(weight, dtype), bias)
+    packed = copies._copy(weight, ("packed", dtype),
+                          lambda w: (torch.ops.mkldnn._reorder_linear_weight(w.to(dtype)), None)).low
+    return torch.ops.mkldnn._linear_pointwise(input, packed, bias, "none", [None], "")
+
+
+def _packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def fuse_packed_linears(gm: fx.GraphModule) -> int:
+    """A frozen graph's linears whose bf16 weight copy nothing else reads call packed_frozen_linear (the cache then
+    holds the packed copy alone); returns how many. Linears of other weights, and other dtypes, stay."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        cast = node.args[1] if node.op == "call_function" and node.target in _LINEARS and len(node.args) > 1 \
+            else None
+        if (not isinstance(cast, fx.Node) or cast.target is not amp_frozen_cast or cast.args[1] is not torch.bfloat16
+                or node.kwargs or any(user.target not in _LINEARS or user.args[1] is not cast for user in cast.users)):
+            continue
+        weight, dtype, copies = cast.args
+        bias = node.args[2] if len(node.args) > 2 else None
+        node.target, node.args = packed_frozen_linear, (node.args[0], weight, bias, dtype, copies)
+        node.meta["amp"] = {**node.meta.get("amp", {}),
+                            "rule": f"{node.meta.get('amp', {}).get('rule', 'low')}; weight cached oneDNN-packed"}
+        if not cast.users:
+            gm.graph.erase_node(cast)
+        count += 1
+    if count:
+        gm.recompile()
+    gm.meta["amp"].setdefault("frozen", {})["linears_packed"] = count
+    return count
+
+
 def pack_linears(model: nn.Module) -> nn.Module:
     """Let the frozen graphs of `model` (convert(..., freeze=True) or freeze() results, or a model converted in
     place and frozen: its part graphs, those captured later too) run their linears on oneDNN-packed copies of
@@ -330,16 +374,29 @@ def freeze(model: nn.Module, *, sample_values: bool = True) -> nn.Module:
         raise TypeError(f"freeze() takes what amp_compiler.convert() returned; {type(model).__name__} holds no "
                         "converted graph")
     for gm in graphs:
-        gm.add_submodule(HOLDER, FrozenWeights(sample_values).train(gm.training))
-        counts = freeze_weight_casts(gm, HOLDER).counts
-        gm.graph.lint()
-        gm.recompile()
-        gm.meta["amp"]["frozen"] = counts
+        freeze_graph(gm, sample_values, training=gm.training)
     return model
+
+
+def freeze_graph(gm: fx.GraphModule, sample_values: bool = True, *, training: bool = False,
+                 weight_inputs: dict | None = None, holder: FrozenWeights | None = None) -> dict:
+    """One converted graph reads its weights' low copies from a FrozenWeights (gm.amp_frozen_weights): its own, or
+    `holder`, shared by graphs of one model (one copy per weight for all of them). `weight_inputs` as
+    freeze_weight_casts takes it (a graph whose weights are inputs). Returns the pass's counts, also in
+    gm.meta["amp"]["frozen"]."""
+    gm.add_submodule(HOLDER, holder if holder is not None else FrozenWeights(sample_values).train(training))
+    counts = freeze_weight_casts(gm, HOLDER, weight_inputs).counts
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta["amp"]["frozen"] = counts
+    return counts
 
 
 def frozen_bytes(model: nn.Module) -> int:
     """Bytes the low-precision weight copies of `model`'s frozen graphs hold now."""
+    from amp_compiler.dynamo.backend import graphs as dynamo_graphs   # the dynamo package imports this module
     conversion = in_place_conversion(model)
     graphs = conversion.graph_modules() if conversion is not None else []   # outside the model's module tree
-    return sum(m.nbytes() for root in (model, *graphs) for m in root.modules() if isinstance(m, FrozenWeights))
+    graphs += dynamo_graphs(model)
+    holders = {id(m): m for root in (model, *graphs) for m in root.modules() if isinstance(m, FrozenWeights)}
+    return sum(m.nbytes() for m in holders.values())   # a holder shared by graphs counted once

@@ -42,7 +42,7 @@ from amp_compiler.frozen import pack_linears  # noqa: E402
 from amp_compiler.in_place.conversion import in_place_conversion  # noqa: E402
 
 LOW = torch.bfloat16
-VARIANTS = ("fp32", "autocast", "in place", "in place frozen", "frozen + packed")
+VARIANTS = ("fp32", "autocast", "in place", "in place frozen", "frozen + packed", "dynamo eager")
 
 
 def llama(vocab: int, hidden: int, intermediate: int, layers: int, heads: int):
@@ -63,9 +63,10 @@ def variants(model) -> dict:
     frozen = amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True, freeze=True)
     packed = pack_linears(
         amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True, freeze=True))
+    dynamo = amp_compiler.compile(copy.deepcopy(model), "O1", dtype=LOW, backend="eager")   # weight cache on
     plain = contextlib.nullcontext
     return dict(zip(VARIANTS, ((model, plain), (model, autocast_region), (in_place, plain), (frozen, plain),
-                               (packed, plain))))
+                               (packed, plain), (dynamo, plain))))
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -190,7 +191,7 @@ def main() -> None:
              f"entered once around each decode (as around generate()); median of {args.repeats} alternated runs",
              ["batch", "variant", "prefill ms", "decode ms/token", "decode vs fp32", "decode vs autocast",
               "prefill vs autocast", "generate ms", "generate vs autocast", "tokens = fp32's"], rows)
-    for name in VARIANTS[2:]:
+    for name in VARIANTS[2:5]:
         print(f"\n{name}: {part_counts(runs[name])}, frozen copies {amp_compiler.frozen_bytes(runs[name][0]) / 1e6:.1f} "
               f"MB (fp32 parameters {params * 4:.1f} MB)")
 

@@ -17,6 +17,8 @@ from torch import nn
 from amp_compiler.config import AmpConfig
 from amp_compiler.convert import collector_paused, compile_graph
 from amp_compiler.dynamo.graph_inputs import parameter_names, prepare_graph
+from amp_compiler.dynamo.weight_cache import cache_weight_casts
+from amp_compiler.frozen import FrozenWeights
 from amp_compiler.frontend import CapturedGraph
 
 FRONTEND = "torch.dynamo"
@@ -24,10 +26,12 @@ BACKENDS = ("eager", "inductor")
 _GRAPHS: "weakref.WeakKeyDictionary[object, list[fx.GraphModule]]" = weakref.WeakKeyDictionary()
 
 
-def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module | None = None) -> Callable:
+def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module | None = None,
+                weight_cache: bool = True) -> Callable:
     """A dynamo backend `(gm, example_inputs) -> callable`: the graph converted by `config`'s level, run as fx code
     (backend="eager") or compiled by inductor (backend="inductor"). `model`: the compiled model, when known; its
-    parameters name the graph's weight inputs and graphs(model) lists what was converted."""
+    parameters name the graph's weight inputs and graphs(model) lists what was converted. `weight_cache`
+    (eager): inference calls reuse each weight's low copy while the weight is unchanged (weight_cache.py)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     # dynamo's code cache keeps the backend alive until torch._dynamo.reset(): a weak reference lets the model go
@@ -36,6 +40,8 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
     def convert_graph(gm: fx.GraphModule, example_inputs) -> Callable:
         model = model_ref()
         converted = convert_captured_graph(gm, example_inputs, config, model)
+        if weight_cache and backend == "eager":
+            cache_weight_casts(converted, convert_graph.weight_cache)
         if model is not None:
             _GRAPHS.setdefault(model, []).append(converted)
         convert_graph.graphs.append(converted)
@@ -45,6 +51,7 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
         return converted
 
     convert_graph.graphs = []   # every graph this backend converted (graphs(model) when the model is known)
+    convert_graph.weight_cache = FrozenWeights().eval()   # the low weight copies all its graphs read
     return convert_graph
 
 

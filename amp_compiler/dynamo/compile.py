@@ -12,21 +12,24 @@ from amp_compiler.dynamo.backend import amp_backend
 
 
 def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", dynamic=None,  # noqa: A001
-            **overrides) -> nn.Module:
+            weight_cache: bool = True, **overrides) -> nn.Module:
     """Compile `model` in place with torch.compile, each captured graph converted by `level`'s rules first.
 
     It is what `model.compile(backend=...)` (nn.Module.compile) does: the same object comes back, with its class,
     `generate`, `save_pretrained` and state_dict; only its calls go through dynamo. backend="eager": the rewritten
     graphs run as fx code; "inductor": they are compiled by inductor in the same compilation. Options are
     convert()'s (dtype=torch.bfloat16, ...). Graphs are made on calls (graph breaks and recompiles are dynamo's);
-    amp_compiler.dynamo.graphs(model) lists them, each one explain()-able. Undo with `model._compiled_call_impl =
+    amp_compiler.dynamo.graphs(model) lists them, each one explain()-able. `weight_cache` (backend="eager"):
+    inference calls reuse each weight's low copy while it is unchanged (dynamo/weight_cache.py); False casts
+    every weight on every call, as autocast outside a region does. Undo with `model._compiled_call_impl =
     None` (torch's own way) or compile again.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"amp_compiler.compile takes an nn.Module; got {type(model).__name__} "
                         "(for a function, torch.compile(fn, backend=amp_compiler.dynamo.amp_backend(config)))")
     config = with_model_lists(make_config(level, **overrides), model)   # _keep_in_fp32_modules read once, here
-    compiled = torch.compile(_frame_of_its_own(), backend=amp_backend(config, backend=backend, model=model),
+    compiled = torch.compile(_frame_of_its_own(), backend=amp_backend(config, backend=backend, model=model,
+                                                                    weight_cache=weight_cache),
                              dynamic=dynamic)
     # nn.Module.compile's own slot (Module.__call__ runs it); not model.compile(): dynamo skips the compiled
     # Module._call_impl frame of a torch.nn class (an nn.Sequential made no graph), a frame of this file it traces.

@@ -35,8 +35,11 @@ from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.runner import PassResult
 
 
-def freeze_weight_casts(gm: fx.GraphModule, holder: str) -> PassResult:
+def freeze_weight_casts(gm: fx.GraphModule, holder: str, weight_inputs: dict | None = None) -> PassResult:
+    """`weight_inputs`: {placeholder name: the user's parameter name} for a graph that takes its weights as inputs
+    (TorchDynamo's): their casts are frozen like those of get_attr weights."""
     graph, frozen, module_calls = gm.graph, 0, 0
+    weight_inputs = weight_inputs or {}
     holder_node = None
 
     def copies() -> fx.Node:
@@ -52,14 +55,17 @@ def freeze_weight_casts(gm: fx.GraphModule, holder: str) -> PassResult:
 
     for cast in [n for n in graph.nodes if is_cast(n)]:
         source, dtype = cast.args[:2]
-        if source.op != "get_attr" or cast.kwargs or len(cast.args) != 2:
+        if source.op not in ("get_attr", "placeholder") or cast.kwargs or len(cast.args) != 2:
             continue
-        weight = operator.attrgetter(source.target)(gm)
-        if not isinstance(weight, torch.Tensor) or not is_float(weight.dtype):
+        if source.op == "get_attr":
+            weight, name = operator.attrgetter(source.target)(gm), source.target
+        else:
+            weight, name = source.meta.get("val"), weight_inputs.get(source.name)
+        if name is None or not isinstance(weight, torch.Tensor) or not is_float(weight.dtype):
             continue
         cast.target = amp_frozen_cast
         cast.args = (source, dtype, copies())
-        cast.meta["amp"] = {**cast.meta.get("amp", {}), "rule": f"frozen: {source.target} cast once, cached"}
+        cast.meta["amp"] = {**cast.meta.get("amp", {}), "rule": f"frozen: {name} cast once, cached"}
         frozen += 1
     for call in [n for n in graph.nodes if n.op == "call_function" and n.target is amp_module_call]:
         module, dtype, *args = call.args   # a low leaf (an RNN): its parameters are read from the cache too
