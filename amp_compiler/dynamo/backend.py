@@ -16,6 +16,7 @@ from torch import nn
 
 from amp_compiler.config import AmpConfig
 from amp_compiler.convert import collector_paused, compile_graph
+from amp_compiler.dynamo.bodies import call_bodies_directly, convert_bodies
 from amp_compiler.dynamo.graph_inputs import parameter_names, prepare_graph
 from amp_compiler.dynamo.weight_cache import cache_weight_casts
 from amp_compiler.frozen import FrozenWeights
@@ -59,12 +60,23 @@ def convert_captured_graph(gm: fx.GraphModule, example_inputs, config: AmpConfig
                            model: nn.Module | None = None) -> fx.GraphModule:
     """FX_PIPELINE on dynamo's graph itself (no re-trace, no copy); the decisions stay in its meta["amp"]."""
     started = time.perf_counter()
-    names = parameter_names(gm, example_inputs, model)
+    converted = _convert(gm, parameter_names(gm, example_inputs, model), config, tuple(example_inputs))
+    converted.meta["amp"]["conversion_s"] = time.perf_counter() - started
+    return converted
+
+
+def _convert(gm: fx.GraphModule, names: dict, config: AmpConfig, example_inputs: tuple | None = None):
+    """One graph and the bodies it calls (bodies.py), each converted in place. A body's example inputs are its
+    placeholders' fake values (dynamo recorded them)."""
     prepare_graph(gm)
-    captured = CapturedGraph(gm, FRONTEND, model=gm, example_inputs=tuple(example_inputs))
+    converted_bodies = convert_bodies(gm, names, config, lambda body, body_names, body_config: _convert(
+        body, body_names, body_config,
+        tuple(n.meta.get("val") for n in body.graph.nodes if n.op == "placeholder")))
+    captured = CapturedGraph(gm, FRONTEND, model=gm, example_inputs=example_inputs)
     with collector_paused():
         converted = compile_graph(captured, config, follow_flags=False, spend_capture=True)
-    converted.meta["amp"].update({"graph_inputs": names, "conversion_s": time.perf_counter() - started,
+    call_bodies_directly(converted)
+    converted.meta["amp"].update({"graph_inputs": names, "bodies": converted_bodies,
                                   "nodes_captured": sum(1 for _ in converted.graph.nodes)})
     return converted
 

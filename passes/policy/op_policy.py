@@ -79,6 +79,11 @@ _TABLE: list[OpRule] = [
             "grid_sampler affine_grid"),
     *_rules("deny", "linalg", "decompositions and solves are ill-conditioned in low precision",
             "inverse det logdet slogdet solve cholesky qr svd eig eigh lstsq pinverse matrix_exp"),
+    # not numerics: a call of a graph converted on its own; its inputs and outputs keep the recorded dtypes at every
+    # level (rules.py: AS_RECORDED_FAMILIES), which is what the body was converted for
+    *_rules("deny", "subgraph", "calls a graph converted on its own (torch.utils.checkpoint's body, dynamo's wrap): "
+            "the body decides its ops' precision; its inputs and outputs keep their recorded dtypes",
+            "tag_activation_checkpoint wrap"),
     *_rules("deny", "spectral", "FFT sums all inputs per output", "fft rfft irfft fft2 ifft stft istft"),
     *_rules("deny", "reduction", "counts values into bins (tokens per expert): a rounded value can cross a bin edge, "
             "and counts past 256 are not bf16 numbers", "histc bincount"),

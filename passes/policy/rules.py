@@ -27,6 +27,9 @@ MIXED_KERNEL_NORMS = ALL_MIXED
 MIXED_KERNEL_REASON = "fp32 weights and statistics on low-precision activations (mixed kernel, fp32 accumulation)"
 
 
+AS_RECORDED_FAMILIES = ("subgraph",)   # calls of graphs converted on their own: no level re-classifies them
+
+
 def _level_class(rule: OpRule, level: Level, keep_norm_fp32: bool) -> tuple[str, str]:
     """Class of one op at one level (levels.py says what each level re-classifies), with the reason to report."""
     if rule.op in level.mixed_norms and keep_norm_fp32:
@@ -34,7 +37,7 @@ def _level_class(rule: OpRule, level: Level, keep_norm_fp32: bool) -> tuple[str,
         # cast an fp32 input down (a weight standardised by batch_norm stays fp32): an infer op, unless the
         # level lowers infer ops anyway.
         return ("allow" if "infer" in level.lowers else "infer"), f"{level.name}: {MIXED_KERNEL_REASON}"
-    if rule.op_class not in level.lowers:
+    if rule.op_class not in level.lowers or rule.family in AS_RECORDED_FAMILIES:
         return rule.op_class, rule.reason
     if rule.family in LOSS_FAMILIES and level.keeps_losses_fp32:
         return "deny", f"{level.name}: losses stay fp32 ({rule.reason})"
