@@ -209,3 +209,39 @@ def test_dynamo_placeholder_and_module_names_read_as_the_users_paths():
     assert name_from_placeholder("l_input_ids_") is None
     assert user_path("L['module'].model.layers.0.mlp") == "model.layers.0.mlp"
     assert user_path("L['args'][0].encoder") == "encoder" and user_path("L['self']") == ""
+
+
+def test_a_users_own_torch_compile_of_a_compiled_llm_keeps_mixed_precision_with_its_cache():
+    """torch.compile traces Module._call_impl and inlines nested compiled code with its own backend: before, every
+    matmul of the converted model ran fp32 under it, silently."""
+    import transformers
+    model, ids = tiny_llama(), torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        reference = model(ids).logits
+        with torch.autocast("cpu", torch.bfloat16):
+            autocast_error = (model(ids).logits.float() - reference).abs().max().item()
+    amp_compiler.compile(model, "O1", dtype=torch.bfloat16, backend="eager")
+    theirs = torch.compile(model)   # the user's, with inductor, on top
+    with torch.no_grad():
+        out = theirs(ids, past_key_values=transformers.DynamicCache(), use_cache=True)
+    assert isinstance(out.past_key_values, transformers.DynamicCache)
+    error = (out.logits.float() - reference).abs().max().item()
+    assert 0 < error <= 2 * autocast_error, (error, autocast_error)   # 0 would be an fp32 run
+    assert graphs(model) and all(p == "low" for _, p in matmul_precisions(model))
+    tokens = theirs.generate(ids[:1, :6], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert tokens.shape == (1, 10)
+
+
+def test_restore_gives_the_model_its_own_forward_back():
+    import inspect
+    model, x = CustomGeluMlp(), torch.randn(3, 16)
+    signature = inspect.signature(model.forward)
+    expected = model(x)
+    amp_compiler.compile(model, "O1", dtype=torch.bfloat16, backend="eager")
+    assert inspect.signature(model.forward) == signature
+    assert not torch.equal(model(x), expected)
+    assert amp_compiler.restore(model) is model
+    assert "forward" not in model.__dict__ and graphs(model) == []
+    assert torch.equal(model(x), expected)
+    with pytest.raises(TypeError, match="amp_compiler.compile"):
+        amp_compiler.restore(model)

@@ -85,3 +85,8 @@ def graphs(model) -> list[fx.GraphModule]:
     """The converted graphs of a model compiled by amp_compiler.compile, in the order dynamo made them (each one
     takes amp_compiler.explain)."""
     return list(_GRAPHS.get(model, ()))
+
+
+def forget_graphs(model) -> None:
+    """graphs(model) empty again (amp_compiler.restore)."""
+    _GRAPHS.pop(model, None)

@@ -1,6 +1,7 @@
 """amp_compiler.compile(model, level): mixed precision on torch.compile's capture, the user's model kept."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 
@@ -8,7 +9,9 @@ import torch
 from torch import nn
 
 from amp_compiler.config import make_config, with_model_lists
-from amp_compiler.dynamo.backend import amp_backend
+from amp_compiler.dynamo.backend import amp_backend, forget_graphs
+
+ATTRIBUTE = "_amp_compiled"   # on the user's model: its Compiled
 
 
 def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", dynamic=None,  # noqa: A001
@@ -16,34 +19,71 @@ def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", d
     """Compile `model` in place with torch.compile, each captured graph converted by `level`'s rules first.
 
     It is what `model.compile(backend=...)` (nn.Module.compile) does: the same object comes back, with its class,
-    `generate`, `save_pretrained` and state_dict; only its calls go through dynamo. backend="eager": the rewritten
+    `generate`, `save_pretrained` and state_dict; only its forward goes through dynamo (an instance attribute
+    `forward` that keeps the signature; a later torch.compile(model) runs this compilation inside its own). backend="eager": the rewritten
     graphs run as fx code; "inductor": they are compiled by inductor in the same compilation. Options are
     convert()'s (dtype=torch.bfloat16, ...). Graphs are made on calls (graph breaks and recompiles are dynamo's);
     amp_compiler.dynamo.graphs(model) lists them, each one explain()-able. `weight_cache` (backend="eager"):
     inference calls reuse each weight's low copy while it is unchanged (dynamo/weight_cache.py); False casts
-    every weight on every call, as autocast outside a region does. Undo with `model._compiled_call_impl =
-    None` (torch's own way) or compile again.
+    every weight on every call, as autocast outside a region does. Undo with amp_compiler.restore(model);
+    compiling again replaces the compilation.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"amp_compiler.compile takes an nn.Module; got {type(model).__name__} "
                         "(for a function, torch.compile(fn, backend=amp_compiler.dynamo.amp_backend(config)))")
     config = with_model_lists(make_config(level, **overrides), model)   # _keep_in_fp32_modules read once, here
+    if ATTRIBUTE in model.__dict__:   # compiled before: this compilation replaces that one
+        restore_compiled(model)
+    own_forward = model.__dict__.get("forward")   # a wrapper put on the instance (Accelerate's) is what runs
     compiled = torch.compile(_frame_of_its_own(), backend=amp_backend(config, backend=backend, model=model,
                                                                     weight_cache=weight_cache),
                              dynamic=dynamic)
-    # nn.Module.compile's own slot (Module.__call__ runs it); not model.compile(): dynamo skips the compiled
-    # Module._call_impl frame of a torch.nn class (an nn.Sequential made no graph), a frame of this file it traces.
-    model._compiled_call_impl = functools.partial(compiled, model)
+    written = own_forward if own_forward is not None else types.MethodType(type(model).forward, model)
+
+    # The compiled call is the instance's forward, hidden from an enclosing torch.compile: a user's own
+    # torch.compile(model) (it traces Module._call_impl, not the _compiled_call_impl slot, and inlines a nested
+    # compiled function with its own backend: every matmul ran fp32) sees one call it does not trace, and this
+    # compilation runs inside it. Hooks run around it, as around any forward.
+    @torch._dynamo.disable
+    @functools.wraps(written)   # inspect.signature(model.forward) stays the user's (generate() reads it)
+    def forward(*args, **kwargs):
+        return compiled(model, own_forward, *args, **kwargs)
+
+    model.__dict__[ATTRIBUTE] = Compiled(config, own_forward, compiled)
+    model.__dict__["forward"] = forward
     return model
 
 
-def _module_call(module: nn.Module, *args, **kwargs):
-    """The frame dynamo captures: the module's call with its hooks (nn_module_stack paths start L['module'])."""
-    return module._call_impl(*args, **kwargs)
+@dataclasses.dataclass
+class Compiled:
+    config: object
+    own_forward: object   # the instance's forward before compiling (None: the class's)
+    compiled: object      # the torch.compile'd frame
+
+
+def compiled_state(model) -> Compiled | None:
+    return model.__dict__.get(ATTRIBUTE) if isinstance(model, nn.Module) else None
+
+
+def restore_compiled(model: nn.Module) -> nn.Module:
+    """Undo amp_compiler.compile(model): its forward as before, the graphs dropped with the compiled frame."""
+    state = model.__dict__.pop(ATTRIBUTE)
+    model.__dict__.pop("forward", None)
+    forget_graphs(model)
+    if state.own_forward is not None:
+        model.__dict__["forward"] = state.own_forward
+    return model
+
+
+def _forward_call(module: nn.Module, own_forward, *args, **kwargs):
+    """The frame dynamo captures: the module's forward (nn_module_stack paths start L['module'])."""
+    if own_forward is not None:
+        return own_forward(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
 
 
 def _frame_of_its_own():
-    """_module_call on a code object of its own: dynamo caches graphs per code object and stops compiling one after
+    """_forward_call on a code object of its own: dynamo caches graphs per code object and stops compiling one after
     its recompile limit (8), so one code object shared by every compiled model left the ninth model uncompiled."""
-    code = _module_call.__code__.replace()
-    return types.FunctionType(code, _module_call.__globals__, _module_call.__name__)
+    code = _forward_call.__code__.replace()
+    return types.FunctionType(code, _forward_call.__globals__, _forward_call.__name__)

@@ -306,10 +306,15 @@ def in_place_conversion(model: nn.Module) -> InPlaceConversion | None:
 
 
 def restore(model: nn.Module) -> nn.Module:
-    """Undo convert(model, inplace=True): every converted module's own forward is back, graphs dropped."""
+    """Undo convert(model, inplace=True) or amp_compiler.compile(model): every converted module's own forward is
+    back, graphs dropped."""
+    from amp_compiler.dynamo.compile import compiled_state, restore_compiled   # dynamo imports convert, this
     conversion = in_place_conversion(model)
+    if conversion is None and compiled_state(model) is not None:
+        return restore_compiled(model)
     if conversion is None:
-        raise TypeError(f"restore() takes a model converted with convert(model, inplace=True); "
+        raise TypeError(f"restore() takes a model converted with convert(model, inplace=True) or compiled by "
+                        "amp_compiler.compile; "
                         f"{type(model).__name__} is not")
     for part in conversion.parts.values():
         if part.own_forward is not None:
