@@ -245,3 +245,32 @@ def test_restore_gives_the_model_its_own_forward_back():
     assert torch.equal(model(x), expected)
     with pytest.raises(TypeError, match="amp_compiler.compile"):
         amp_compiler.restore(model)
+
+
+class DataDependent(nn.Module):
+    """A graph break: dynamo cannot trace `if y.sum() > 0` into one graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.first(x)
+        if y.sum() > 0:
+            y = y * 2
+        return self.second(y)
+
+
+def test_explain_merges_the_graphs_with_each_graph_break_and_recompile():
+    model = DataDependent()
+    amp_compiler.compile(model, "O1", dtype=torch.bfloat16, backend="eager")
+    assert "not called yet" in str(amp_compiler.explain(model))
+    model(torch.randn(2, 8))
+    text = str(amp_compiler.explain(model))
+    assert "torch.dynamo: 2 graph(s), 1 graph break(s), 0 recompile(s)" in text, text
+    assert "graph break: generic_jump" in text and "in forward" in text
+    report = amp_compiler.explain(model)
+    low = {row["module"] for row in report.rows if row["op"] == "linear" and row["dtype"] == "bfloat16"}
+    assert low == {"first", "second"}, low
+    model(torch.randn(3, 8))   # a new batch size: dynamo recompiles (dynamic shapes from here on)
+    assert ", 1 recompile(s)" in str(amp_compiler.explain(model))

@@ -40,7 +40,11 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
 
     def convert_graph(gm: fx.GraphModule, example_inputs) -> Callable:
         model = model_ref()
+        reason = getattr(gm, "compile_subgraph_reason", None)   # dynamo's: why the graph ended where it did
         converted = convert_captured_graph(gm, example_inputs, config, model)
+        converted.meta["amp"]["dynamo"] = {"compile_id": str(gm.meta.get("dynamo_compile_id", "")),
+                                           "graph_break": _where(reason) if getattr(reason, "graph_break", False)
+                                           else None}
         if weight_cache and backend == "eager":
             cache_weight_casts(converted, convert_graph.weight_cache)
         if model is not None:
@@ -90,3 +94,11 @@ def graphs(model) -> list[fx.GraphModule]:
 def forget_graphs(model) -> None:
     """graphs(model) empty again (amp_compiler.restore)."""
     _GRAPHS.pop(model, None)
+
+
+def _where(reason) -> str:
+    """dynamo's graph-break reason with the user's line it broke at."""
+    stack = getattr(reason, "user_stack", None) or []
+    frame = stack[-1] if stack else None
+    at = f" (at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name})" if frame is not None else ""
+    return f"{reason.reason}{at}"

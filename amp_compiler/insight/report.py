@@ -110,6 +110,9 @@ def explain(gm, other=None, *, only: str | None = None, module: str | None = Non
     if in_place_conversion(gm) is not None:   # convert(model, inplace=True): its parts' graphs, merged
         from amp_compiler.in_place.report import explain_in_place
         report = explain_in_place(gm)
+    elif (compiled := compiled_state(gm)) is not None:   # amp_compiler.compile(model): dynamo's graphs, merged
+        from amp_compiler.dynamo.report import explain_compiled
+        report = explain_compiled(gm, compiled.config)
     elif "children" in (summary := graph_summary(gm)):
         report = _explain_children(gm)
     else:
@@ -124,11 +127,18 @@ def explain(gm, other=None, *, only: str | None = None, module: str | None = Non
     return report
 
 
+def compiled_state(module):
+    """amp_compiler.compile's record on a model, or None (imported here: the dynamo package imports this one)."""
+    from amp_compiler.dynamo.compile import compiled_state as state
+    return state(module)
+
+
 def converted_model_in(module):
     """The converted model a wrapper holds: peft's PeftModel keeps it at base_model.model (LoraModel's `model`),
     whether it was converted in place or convert() returned it before get_peft_model; `module` itself otherwise."""
     for _ in range(4):   # PeftModel -> LoraModel -> the model
         if not isinstance(module, nn.Module) or in_place_conversion(module) is not None or \
+                compiled_state(module) is not None or \
                 isinstance(module, fx.GraphModule) or "amp" in (module.__dict__.get("meta") or {}):
             return module
         inner = getattr(module.__dict__.get("_modules", {}).get("base_model"), "model", None)

@@ -1,0 +1,48 @@
+"""explain(model) for a model compiled by amp_compiler.compile: its graphs in one report, the user's module paths.
+
+Each graph dynamo made is listed in the summary's notes, in the order it was made: its compile id ("frame/attempt":
+an attempt after the first is a recompile, for new shapes, flags or guards), its size, and the graph break that ended
+it with dynamo's reason and the user's line. Rows are every graph's nodes (a prefill and a decode graph both show
+their attention).
+"""
+from __future__ import annotations
+
+from amp_compiler.dynamo.backend import graphs
+from amp_compiler.insight.report import PrecisionReport, _totals, explain
+
+NOT_CALLED = "not called yet: dynamo captures graphs on the model's calls, so there is nothing to report"
+
+
+def explain_compiled(model, config) -> PrecisionReport:
+    rows, islands, casts, warnings, notes = [], [], 0, [], []
+    made = graphs(model)
+    for index, gm in enumerate(made, 1):
+        report = explain(gm)
+        rows += report.rows
+        islands += report.islands
+        casts += report.totals["casts"]
+        warnings += report.warnings
+        notes.append(graph_line(index, gm))
+    recompiles = sum(1 for gm in made if not _compile_id(gm).endswith("/0"))
+    breaks = sum(1 for gm in made if gm.meta["amp"].get("dynamo", {}).get("graph_break"))
+    summary = {"level": config.level, "requested_level": config.requested_level, "dtype": config.low_dtype_name,
+               "frontend": f"torch.dynamo: {len(made)} graph(s), {breaks} graph break(s), {recompiles} recompile(s)",
+               "keep_io_types": config.keep_io_types, "loss_scale_manager": config.loss_scale_manager,
+               "leaf_modules": [], "notes": notes or [NOT_CALLED], "opaque": {}, "hooks": {}, "training_reads": {},
+               "casts": casts, "pass_counts": {}, "devices": made[0].meta["amp"].get("devices") if made else None}
+    return PrecisionReport(rows, _totals(rows, casts), summary, islands, warnings=warnings)
+
+
+def graph_line(index: int, gm) -> str:
+    facts = gm.meta["amp"]
+    dynamo = facts.get("dynamo", {})
+    ended = f"; ends at a graph break: {dynamo['graph_break']}" if dynamo.get("graph_break") else ""
+    bodies = f", {len(facts['bodies'])} checkpointed bod(ies)" if facts.get("bodies") else ""
+    cached = facts.get("frozen", {}).get("weight_casts_frozen")
+    cache = f", {cached} weight casts cached" if cached else ""
+    return (f"graph {index} (compile id {dynamo.get('compile_id') or '?'}): {facts.get('nodes_captured', '?')} nodes"
+            f"{bodies}{cache}, converted in {facts.get('conversion_s', 0):.2f} s{ended}")
+
+
+def _compile_id(gm) -> str:
+    return gm.meta["amp"].get("dynamo", {}).get("compile_id") or "0/0"
