@@ -277,3 +277,22 @@ def test_explain_merges_the_graphs_with_each_graph_break_and_recompile():
     graphs_made, recompiles = map(int, re.search(r"torch.dynamo: (\d+) graph\(s\), \d+ graph break\(s\), (\d+) "
                                                   r"recompile", str(amp_compiler.explain(model))).groups())
     assert graphs_made == 4 and recompiles >= 1, (graphs_made, recompiles)   # both graphs again, for any batch size
+
+
+def test_a_graph_the_passes_fail_on_runs_under_autocast_said_once_and_in_explain(monkeypatch):
+    import amp_compiler.dynamo.backend as backend
+    from amp_compiler.dynamo.backend import ConversionFallbackWarning
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a pass failed on this graph")
+    monkeypatch.setattr(backend, "convert_captured_graph", failing)
+    model, x = CustomGeluMlp(), torch.randn(3, 16)
+    with torch.no_grad():
+        with torch.autocast("cpu", torch.bfloat16):
+            expected = model(x)
+        amp_compiler.compile(model, "O1", dtype=torch.bfloat16, backend="eager")
+        with pytest.warns(ConversionFallbackWarning, match=r"fc1.*a pass failed.*torch.autocast\(cpu, bfloat16\)"):
+            out = model(x)
+        torch.testing.assert_close(out, expected)   # autocast decided, not fp32
+        assert not torch.equal(out.float(), CustomGeluMlp()(x))
+    assert "fallback: the graph of fc1" in str(amp_compiler.explain(model))

@@ -8,19 +8,22 @@ is run, no module attribute is set (the list of graphs lives in a table keyed by
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from typing import Callable
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from amp_compiler.config import AmpConfig
 from amp_compiler.convert import collector_paused, compile_graph
 from amp_compiler.dynamo.bodies import call_bodies_directly, convert_bodies
-from amp_compiler.dynamo.graph_inputs import parameter_names, prepare_graph
+from amp_compiler.dynamo.graph_inputs import parameter_names, prepare_graph, user_path
 from amp_compiler.dynamo.weight_cache import cache_weight_casts
 from amp_compiler.frozen import FrozenWeights
 from amp_compiler.frontend import CapturedGraph
+from amp_compiler.passes.policy.numerics import dtype_name
 
 FRONTEND = "torch.dynamo"
 BACKENDS = ("eager", "inductor")
@@ -41,7 +44,13 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
     def convert_graph(gm: fx.GraphModule, example_inputs) -> Callable:
         model = model_ref()
         reason = getattr(gm, "compile_subgraph_reason", None)   # dynamo's: why the graph ended where it did
-        converted = convert_captured_graph(gm, example_inputs, config, model)
+        as_captured = _graph_copy(gm)   # the passes edit gm itself: what runs if they fail
+        try:
+            converted = convert_captured_graph(gm, example_inputs, config, model)
+        except Exception as error:  # noqa: BLE001 - any failure of the passes: the graph still runs, said once
+            fallback = under_autocast(as_captured, config, example_inputs, error)
+            convert_graph.fallbacks.append(fallback.reason)
+            return fallback
         converted.meta["amp"]["dynamo"] = {"compile_id": str(gm.meta.get("dynamo_compile_id", "")),
                                            "graph_break": _where(reason) if getattr(reason, "graph_break", False)
                                            else None}
@@ -56,6 +65,7 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
         return converted
 
     convert_graph.graphs = []   # every graph this backend converted (graphs(model) when the model is known)
+    convert_graph.fallbacks = []   # why each graph the passes failed on runs under autocast instead
     convert_graph.weight_cache = FrozenWeights().eval()   # the low weight copies all its graphs read
     return convert_graph
 
@@ -102,3 +112,46 @@ def _where(reason) -> str:
     frame = stack[-1] if stack else None
     at = f" (at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name})" if frame is not None else ""
     return f"{reason.reason}{at}"
+
+
+class ConversionFallbackWarning(UserWarning):
+    """A graph dynamo captured could not be converted: it runs under torch.autocast instead."""
+
+
+class under_autocast:
+    """A dynamo graph the passes failed on, run as captured inside torch.autocast(level's dtype): autocast's own
+    op lists decide (matmuls low, softmax, norms and losses fp32), so the graph is still mixed precision and runs."""
+
+    def __init__(self, gm: fx.GraphModule, config: AmpConfig, example_inputs, error: Exception):
+        self.gm, self.dtype = gm, config.low_dtype if config.level != "O0" else None
+        devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+        self.device = "cuda" if "cuda" in devices else "cpu"
+        modules = _modules_of(gm)
+        where = f"the graph of {', '.join(modules[:3])}{' ...' if len(modules) > 3 else ''}" if modules \
+            else "a graph"
+        self.reason = (f"{where} could not be converted ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
+                       f"it runs under torch.autocast({self.device}, {dtype_name(self.dtype)})")
+        warnings.warn(f"amp_compiler: {self.reason}", ConversionFallbackWarning, stacklevel=2)
+
+    def __call__(self, *args):
+        if self.dtype is None:
+            return self.gm(*args)
+        with torch.autocast(self.device, self.dtype):
+            return self.gm(*args)
+
+
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """The graph as dynamo captured it, on the same root (node metadata shared, not copied)."""
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    return fx.GraphModule(gm, graph)
+
+
+def _modules_of(gm: fx.GraphModule) -> list[str]:
+    """The user's module paths a dynamo graph runs, outermost first."""
+    paths = {}
+    for node in gm.graph.nodes:
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            paths.setdefault(user_path(path), None)
+    return [path for path in paths if path]

@@ -35,9 +35,8 @@ def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", d
     if ATTRIBUTE in model.__dict__:   # compiled before: this compilation replaces that one
         restore_compiled(model)
     own_forward = model.__dict__.get("forward")   # a wrapper put on the instance (Accelerate's) is what runs
-    compiled = torch.compile(_frame_of_its_own(), backend=amp_backend(config, backend=backend, model=model,
-                                                                    weight_cache=weight_cache),
-                             dynamic=dynamic)
+    converter = amp_backend(config, backend=backend, model=model, weight_cache=weight_cache)
+    compiled = torch.compile(_frame_of_its_own(), backend=converter, dynamic=dynamic)
     written = own_forward if own_forward is not None else types.MethodType(type(model).forward, model)
 
     # The compiled call is the instance's forward, hidden from an enclosing torch.compile: a user's own
@@ -49,7 +48,7 @@ def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", d
     def forward(*args, **kwargs):
         return compiled(model, own_forward, *args, **kwargs)
 
-    model.__dict__[ATTRIBUTE] = Compiled(config, own_forward, compiled)
+    model.__dict__[ATTRIBUTE] = Compiled(config, own_forward, compiled, converter)
     model.__dict__["forward"] = forward
     return model
 
@@ -59,6 +58,7 @@ class Compiled:
     config: object
     own_forward: object   # the instance's forward before compiling (None: the class's)
     compiled: object      # the torch.compile'd frame
+    converter: object     # the backend: its .fallbacks say which graphs run under autocast, and why
 
 
 def compiled_state(model) -> Compiled | None:

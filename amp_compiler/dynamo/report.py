@@ -13,7 +13,8 @@ from amp_compiler.insight.report import PrecisionReport, _totals, explain
 NOT_CALLED = "not called yet: dynamo captures graphs on the model's calls, so there is nothing to report"
 
 
-def explain_compiled(model, config) -> PrecisionReport:
+def explain_compiled(model, state) -> PrecisionReport:
+    config = state.config
     rows, islands, casts, warnings, notes = [], [], 0, [], []
     made = graphs(model)
     for index, gm in enumerate(made, 1):
@@ -23,12 +24,14 @@ def explain_compiled(model, config) -> PrecisionReport:
         casts += report.totals["casts"]
         warnings += report.warnings
         notes.append(graph_line(index, gm))
+    notes += [f"fallback: {reason}" for reason in dict.fromkeys(state.converter.fallbacks)]
     recompiles = sum(1 for gm in made if not _compile_id(gm).endswith("/0"))
     breaks = sum(1 for gm in made if gm.meta["amp"].get("dynamo", {}).get("graph_break"))
     summary = {"level": config.level, "requested_level": config.requested_level, "dtype": config.low_dtype_name,
                "frontend": f"torch.dynamo: {len(made)} graph(s), {breaks} graph break(s), {recompiles} recompile(s)",
                "keep_io_types": config.keep_io_types, "loss_scale_manager": config.loss_scale_manager,
-               "leaf_modules": [], "notes": notes or [NOT_CALLED], "opaque": {}, "hooks": {}, "training_reads": {},
+               "leaf_modules": [], "notes": notes or [NOT_CALLED],
+               "opaque": {}, "hooks": {}, "training_reads": {},
                "casts": casts, "pass_counts": {}, "devices": made[0].meta["amp"].get("devices") if made else None}
     return PrecisionReport(rows, _totals(rows, casts), summary, islands, warnings=warnings)
 

@@ -112,7 +112,7 @@ def explain(gm, other=None, *, only: str | None = None, module: str | None = Non
         report = explain_in_place(gm)
     elif (compiled := compiled_state(gm)) is not None:   # amp_compiler.compile(model): dynamo's graphs, merged
         from amp_compiler.dynamo.report import explain_compiled
-        report = explain_compiled(gm, compiled.config)
+        report = explain_compiled(gm, compiled)
     elif "children" in (summary := graph_summary(gm)):
         report = _explain_children(gm)
     else:
