@@ -58,7 +58,7 @@ from amp_compiler.passes.node_facts import facts
 
 def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None = None,
             dynamic_shapes=None, calibration_data=None, freeze: bool = False, inplace: bool = False,
-            **overrides) -> fx.GraphModule:
+            capture: str = "parts", **overrides) -> fx.GraphModule:
     """Trace `model` and return a GraphModule whose every node runs in the precision the rules pick.
 
     The result shares the model's parameters and buffers (an optimizer on model.parameters() trains it)
@@ -69,12 +69,53 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     `freeze=True`: inference calls read low-precision weight copies made once (amp_compiler.freeze).
     `inplace=True`: the model itself is converted and returned (same class, methods, forward signature and
     state_dict); its parts are captured on their first calls (in_place/conversion.py), example_inputs optional.
+    `capture` (inplace=True): "parts" (that machinery) or "dynamo": TorchDynamo captures the model's calls and the
+    same passes convert each graph (amp_compiler.compile(model, level, backend="eager"): generate() with attention
+    low, checkpointing recomputed, a weight-cast cache in inference; see amp_compiler/dynamo/).
     """
     config = make_config(level, **overrides)
     check_calibration_data(calibration_data)   # before any work: a bare tensor would be split into rows
+    if capture not in CAPTURES:
+        raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}; got {capture!r}")
+    if capture == "dynamo":
+        if not inplace:
+            raise ValueError("capture='dynamo' converts the model in place: pass inplace=True (convert() without "
+                             "it returns a GraphModule from fx or torch.export)")
+        return _convert_on_dynamo(model, level, example_inputs, dynamic_shapes, calibration_data, overrides)
     with collector_paused():
         return _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace,
                         overrides)
+
+
+CAPTURES = ("parts", "dynamo")
+
+
+def _convert_on_dynamo(model, level, example_inputs, dynamic_shapes, calibration_data, overrides) -> nn.Module:
+    from amp_compiler.dynamo.compile import compile as compile_on_dynamo   # the dynamo package imports this module
+    from amp_compiler.frontend.capture import refuse_low_parameters
+    from amp_compiler.in_place.conversion import in_place_conversion, undone_effects
+    not_yet = [name for name, given in (("calibration_data", calibration_data is not None),
+                                        ("dynamic_shapes", dynamic_shapes is not None)) if given]
+    fp8 = make_config(level, **overrides).fp8
+    if fp8 is not None and fp8.scaling == "delayed":
+        not_yet.append("fp8_scaling='delayed'")
+    if not_yet:
+        raise ValueError(f"capture='dynamo' does not take {', '.join(not_yet)} yet: use capture='parts' "
+                         "(the default) for it")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert() needs a torch.nn.Module, got {type(model).__name__}")
+    if in_place_conversion(model) is not None:
+        raise ValueError(f"{type(model).__name__} is already converted in place; call amp_compiler.restore(model) "
+                         "first to convert it again with other options")
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
+                        f"got {type(example_inputs).__name__}")
+    refuse_low_parameters(model)
+    compile_on_dynamo(model, level, backend="eager", **overrides)
+    if example_inputs is not None:   # capture now: one call with these inputs, its effects undone
+        with undone_effects(model), torch.no_grad():
+            model(*example_inputs)
+    return model
 
 
 @contextlib.contextmanager

@@ -369,6 +369,14 @@ def freeze(model: nn.Module, *, sample_values: bool = True) -> nn.Module:
     if conversion is not None:   # convert(model, inplace=True): its parts' graphs, those captured later too
         conversion.freeze_graphs(sample_values)
         return model
+    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
+    compiled = compiled_state(model)
+    if compiled is not None:   # amp_compiler.compile / capture="dynamo": its weight cache is the freeze
+        if not compiled.converter.caches_weights:
+            raise TypeError("this model was compiled with weight_cache=False (or backend='inductor'): compile it "
+                            "again with weight_cache=True to keep low weight copies")
+        compiled.converter.weight_cache.sample_values = sample_values
+        return model
     graphs = _converted_graphs(model)
     if not graphs and not any(hasattr(m, HOLDER) for m in model.modules()):
         raise TypeError(f"freeze() takes what amp_compiler.convert() returned; {type(model).__name__} holds no "

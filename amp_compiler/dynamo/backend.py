@@ -54,7 +54,7 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
         converted.meta["amp"]["dynamo"] = {"compile_id": str(gm.meta.get("dynamo_compile_id", "")),
                                            "graph_break": _where(reason) if getattr(reason, "graph_break", False)
                                            else None}
-        if weight_cache and backend == "eager":
+        if convert_graph.caches_weights:
             cache_weight_casts(converted, convert_graph.weight_cache)
         if model is not None:
             _GRAPHS.setdefault(model, []).append(converted)
@@ -67,6 +67,7 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
     convert_graph.graphs = []   # every graph this backend converted (graphs(model) when the model is known)
     convert_graph.fallbacks = []   # why each graph the passes failed on runs under autocast instead
     convert_graph.weight_cache = FrozenWeights().eval()   # the low weight copies all its graphs read
+    convert_graph.caches_weights = weight_cache and backend == "eager"
     return convert_graph
 
 

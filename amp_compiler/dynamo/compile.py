@@ -31,6 +31,10 @@ def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", d
     if not isinstance(model, nn.Module):
         raise TypeError(f"amp_compiler.compile takes an nn.Module; got {type(model).__name__} "
                         "(for a function, torch.compile(fn, backend=amp_compiler.dynamo.amp_backend(config)))")
+    from amp_compiler.in_place.conversion import in_place_conversion
+    if in_place_conversion(model) is not None:
+        raise ValueError(f"{type(model).__name__} is converted in place (capture='parts'): call "
+                         "amp_compiler.restore(model) before compiling it")
     config = with_model_lists(make_config(level, **overrides), model)   # _keep_in_fp32_modules read once, here
     if ATTRIBUTE in model.__dict__:   # compiled before: this compilation replaces that one
         restore_compiled(model)

@@ -282,7 +282,7 @@ def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None
     conversion.add_part(model, "")
     _add_encoder_part(conversion, model)
     if example_inputs is not None:   # capture now: one call with these inputs, its effects undone
-        with _effects_undone(model), torch.no_grad():
+        with undone_effects(model), torch.no_grad():
             model(*example_inputs)
     return model
 
@@ -346,7 +346,7 @@ class _fp32_while_captured:
             tensor.grad = grad
 
 
-class _effects_undone:
+class undone_effects:
     """Buffers (batch-norm statistics, counters) and fp8 amax histories as they were before a conversion-time
     call: the example inputs' amax must not be the first entry training's delayed scales are taken from."""
 
@@ -382,7 +382,7 @@ def _record_calls(model: nn.Module, samples) -> dict:
     handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in model.modules()
                if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.parameters())]
     try:
-        with _effects_undone(model), torch.no_grad():
+        with undone_effects(model), torch.no_grad():
             for index, sample in enumerate(samples):
                 inputs = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
                 try:

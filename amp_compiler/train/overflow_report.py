@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from amp_compiler.in_place.conversion import ATTRIBUTE, _effects_undone   # _effects_undone: buffers back
+from amp_compiler.in_place.conversion import ATTRIBUTE, undone_effects   # undone_effects: buffers back
 from amp_compiler.insight.graph_decisions import module_of
 from amp_compiler.passes.node_facts import facts
 
@@ -100,7 +100,7 @@ def locate_overflow(model: nn.Module, replay) -> OverflowReport | None:
     finder, parameters = _Finder(), []
     try:
         parameters = list(model.named_parameters())
-        with _checks_installed(model, finder), _grads_kept(parameters), _effects_undone(model):
+        with _checks_installed(model, finder), _grads_kept(parameters), undone_effects(model):
             try:
                 replay()
             except Exception as error:  # noqa: BLE001 - a report is still wanted; the note names the error

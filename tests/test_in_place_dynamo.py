@@ -1,0 +1,98 @@
+"""convert(model, level, inplace=True, capture="dynamo"): in-place conversion on TorchDynamo's capture: the cases
+the parts machinery runs as written or gets wrong (tests/test_dynamo_capture.py covers amp_compiler.compile)."""
+import pytest
+import torch
+from torch import nn
+
+import amp_compiler
+from amp_compiler.dynamo import graphs
+from amp_compiler.passes.node_facts import facts
+from test_dynamo_capture import CustomGeluMlp, DataDependent, LastLogits, tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def convert(model, **options):
+    return amp_compiler.convert(model, "O1", dtype=torch.bfloat16, inplace=True, capture="dynamo", **options)
+
+
+def matmul_precisions(model) -> list:
+    return [facts(n).get("precision") for gm in graphs(model) for sub in gm.modules()
+            if isinstance(sub, torch.fx.GraphModule) for n in sub.graph.nodes
+            if facts(n).get("family") in ("matmul", "attention")]
+
+
+def test_generate_runs_attention_low_in_every_decode_step_with_autocasts_tokens():
+    import transformers
+    model, ids = tiny_llama(), torch.randint(0, 128, (2, 6))
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = model.generate(ids, **settings)
+    assert convert(model) is model
+    tokens = model.generate(ids, **settings)
+    assert torch.equal(tokens, expected)
+    attention = [facts(n).get("precision") for gm in graphs(model)[1:] for n in gm.graph.nodes
+                 if facts(n).get("op") == "scaled_dot_product_attention"]
+    assert len(attention) >= 2 and set(attention) == {"low"}, attention   # the decode graphs' sdpa, each layer
+    assert isinstance(model, transformers.LlamaForCausalLM)
+
+
+@pytest.mark.parametrize("make", [LastLogits, CustomGeluMlp, DataDependent],
+                         ids=["int keyword default", "custom autograd.Function", "data-dependent top level"])
+def test_models_the_parts_capture_gets_wrong_or_runs_fp32_convert_with_every_matmul_low(make):
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(2, 5, 16) if make is LastLogits else torch.randn(4, 16 if make is CustomGeluMlp else 8)
+    with torch.no_grad():
+        reference = model(x)
+        with torch.autocast("cpu", torch.bfloat16):
+            autocast_error = (model(x).float() - reference).abs().max().item()
+        convert(model)
+        out = model(x)
+    assert out.shape == reference.shape
+    error = (out.float() - reference).abs().max().item()
+    assert error <= 2 * autocast_error + 1e-6, (error, autocast_error)
+    precisions = matmul_precisions(model)
+    assert len(precisions) >= 2 and set(precisions) == {"low"}, precisions
+
+
+def test_example_inputs_capture_at_conversion_with_buffers_as_they_were():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    before = model[1].running_mean.clone()
+    convert(model, example_inputs=(torch.randn(6, 8),))
+    assert graphs(model), "no graph made at conversion"
+    assert torch.equal(model[1].running_mean, before)
+
+
+def test_restore_explain_and_freeze_take_it():
+    model, x = CustomGeluMlp(), torch.randn(3, 16)
+    expected = model(x)
+    convert(model)
+    with torch.no_grad():
+        model(x)
+    assert "torch.dynamo: 1 graph(s)" in str(amp_compiler.explain(model))
+    assert amp_compiler.freeze(model) is model and amp_compiler.frozen_bytes(model) > 0
+    amp_compiler.restore(model)
+    assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("level, options, named", [
+    ("O1", {"calibration_data": [(torch.randn(2, 16),)]}, "calibration_data"),
+    ("fp8", {"fp8_scaling": "delayed"}, "fp8_scaling='delayed'"),
+])
+def test_what_it_does_not_take_yet_is_refused_by_name(level, options, named):
+    with pytest.raises(ValueError, match=f"does not take {named}"):
+        amp_compiler.convert(CustomGeluMlp(), level, inplace=True, capture="dynamo", **options)
+
+
+def test_it_needs_inplace_and_a_known_capture():
+    with pytest.raises(ValueError, match="pass inplace=True"):
+        amp_compiler.convert(CustomGeluMlp(), "O1", capture="dynamo")
+    with pytest.raises(ValueError, match="capture must be one of"):
+        amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, capture="fx")
