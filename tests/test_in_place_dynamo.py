@@ -96,3 +96,27 @@ def test_it_needs_inplace_and_a_known_capture():
         amp_compiler.convert(CustomGeluMlp(), "O1", capture="dynamo")
     with pytest.raises(ValueError, match="capture must be one of"):
         amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, capture="fx")
+
+
+def test_a_deepcopy_and_a_torch_save_of_a_converted_model_run_their_own_weights():
+    import copy
+    import io
+    torch.manual_seed(0)
+    model, x = CustomGeluMlp(), torch.randn(3, 16)
+    convert(model)
+    with torch.no_grad():
+        model(x)
+        twin = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        for copied in (twin, loaded):
+            copied.fc2.weight.mul_(-1.0)   # its own weights: the original must not see this, the copy must
+            out = copied(x)
+            with torch.autocast("cpu", torch.bfloat16):
+                expected = CustomGeluMlp.forward(copied, x)   # as written, the copy's weights
+            torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+            assert graphs(copied) and set(matmul_precisions(copied)) == {"low"}
+            assert amp_compiler.explain(copied) is not None
+        assert not torch.allclose(model(x), twin(x))

@@ -1,7 +1,11 @@
-"""amp_compiler.compile(model, level): mixed precision on torch.compile's capture, the user's model kept."""
+"""amp_compiler.compile(model, level): mixed precision on torch.compile's capture, the user's model kept.
+
+The compilation is the model's instance `forward`: a CompiledForward that keeps the forward's signature, is hidden
+from an enclosing torch.compile, and is rebuilt (not shared) by copy.deepcopy and torch.save / torch.load: the copy
+compiles itself on its own first call, reading its own weights.
+"""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import types
 
@@ -11,7 +15,7 @@ from torch import nn
 from amp_compiler.config import make_config, with_model_lists
 from amp_compiler.dynamo.backend import amp_backend, forget_graphs
 
-ATTRIBUTE = "_amp_compiled"   # on the user's model: its Compiled
+ATTRIBUTE = "_amp_compiled"   # on the user's model: its CompiledForward (also its `forward`)
 
 
 def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", dynamic=None,  # noqa: A001
@@ -20,13 +24,13 @@ def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", d
 
     It is what `model.compile(backend=...)` (nn.Module.compile) does: the same object comes back, with its class,
     `generate`, `save_pretrained` and state_dict; only its forward goes through dynamo (an instance attribute
-    `forward` that keeps the signature; a later torch.compile(model) runs this compilation inside its own). backend="eager": the rewritten
-    graphs run as fx code; "inductor": they are compiled by inductor in the same compilation. Options are
-    convert()'s (dtype=torch.bfloat16, ...). Graphs are made on calls (graph breaks and recompiles are dynamo's);
-    amp_compiler.dynamo.graphs(model) lists them, each one explain()-able. `weight_cache` (backend="eager"):
-    inference calls reuse each weight's low copy while it is unchanged (dynamo/weight_cache.py); False casts
-    every weight on every call, as autocast outside a region does. Undo with amp_compiler.restore(model);
-    compiling again replaces the compilation.
+    `forward` that keeps the signature; a later torch.compile(model) runs this compilation inside its own).
+    backend="eager": the rewritten graphs run as fx code; "inductor": they are compiled by inductor in the same
+    compilation. Options are convert()'s (dtype=torch.bfloat16, ...). Graphs are made on calls (graph breaks and
+    recompiles are dynamo's); amp_compiler.dynamo.graphs(model) lists them, each one explain()-able.
+    `weight_cache` (backend="eager"): inference calls reuse each weight's low copy while it is unchanged
+    (dynamo/weight_cache.py); False casts every weight on every call, as autocast outside a region does.
+    Undo with amp_compiler.restore(model); compiling again replaces the compilation.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"amp_compiler.compile takes an nn.Module; got {type(model).__name__} "
@@ -38,34 +42,39 @@ def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", d
     config = with_model_lists(make_config(level, **overrides), model)   # _keep_in_fp32_modules read once, here
     if ATTRIBUTE in model.__dict__:   # compiled before: this compilation replaces that one
         restore_compiled(model)
-    own_forward = model.__dict__.get("forward")   # a wrapper put on the instance (Accelerate's) is what runs
-    converter = amp_backend(config, backend=backend, model=model, weight_cache=weight_cache)
-    compiled = torch.compile(_frame_of_its_own(), backend=converter, dynamic=dynamic)
-    written = own_forward if own_forward is not None else types.MethodType(type(model).forward, model)
-
-    # The compiled call is the instance's forward, hidden from an enclosing torch.compile: a user's own
-    # torch.compile(model) (it traces Module._call_impl, not the _compiled_call_impl slot, and inlines a nested
-    # compiled function with its own backend: every matmul ran fp32) sees one call it does not trace, and this
-    # compilation runs inside it. Hooks run around it, as around any forward.
-    @torch._dynamo.disable
-    @functools.wraps(written)   # inspect.signature(model.forward) stays the user's (generate() reads it)
-    def forward(*args, **kwargs):
-        return compiled(model, own_forward, *args, **kwargs)
-
-    model.__dict__[ATTRIBUTE] = Compiled(config, own_forward, compiled, converter)
-    model.__dict__["forward"] = forward
+    forward = CompiledForward(model, config, model.__dict__.get("forward"),
+                              {"backend": backend, "dynamic": dynamic, "weight_cache": weight_cache})
+    model.__dict__[ATTRIBUTE] = model.__dict__["forward"] = forward
     return model
 
 
-@dataclasses.dataclass
-class Compiled:
-    config: object
-    own_forward: object   # the instance's forward before compiling (None: the class's)
-    compiled: object      # the torch.compile'd frame
-    converter: object     # the backend: its .fallbacks say which graphs run under autocast, and why
+class CompiledForward:
+    """The compiled call, as the model's instance forward. Hidden from an enclosing torch.compile: a user's own
+    torch.compile(model) traces Module._call_impl and inlines nested compiled code with its own backend (every
+    matmul ran fp32); it sees one call it does not trace, and this compilation runs inside it. Hooks run around
+    it, as around any forward. A deepcopy or a pickle of the model gets a CompiledForward of its own (__reduce__)."""
+
+    def __init__(self, model: nn.Module, config, own_forward, options: dict):
+        self.model, self.config, self.own_forward, self.options = model, config, own_forward, dict(options)
+        self.converter = amp_backend(config, backend=options["backend"], model=model,
+                                     weight_cache=options["weight_cache"])
+        self.compiled = torch.compile(_frame_of_its_own(), backend=self.converter, dynamic=options["dynamic"])
+        written = own_forward if own_forward is not None else types.MethodType(type(model).forward, model)
+        functools.update_wrapper(self, written)   # inspect.signature(model.forward) stays the user's (generate reads it)
+
+    def __call__(self, *args, **kwargs):
+        return _run(self, args, kwargs)
+
+    def __reduce__(self):   # copy.deepcopy / pickle: rebuilt for the copied model, graphs and caches not shared
+        return CompiledForward, (self.model, self.config, self.own_forward, self.options)
 
 
-def compiled_state(model) -> Compiled | None:
+@torch._dynamo.disable
+def _run(forward: CompiledForward, args: tuple, kwargs: dict):
+    return forward.compiled(forward.model, forward.own_forward, *args, **kwargs)
+
+
+def compiled_state(model) -> CompiledForward | None:
     return model.__dict__.get(ATTRIBUTE) if isinstance(model, nn.Module) else None
 
 
