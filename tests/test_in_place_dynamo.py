@@ -120,3 +120,26 @@ def test_a_deepcopy_and_a_torch_save_of_a_converted_model_run_their_own_weights(
             assert graphs(copied) and set(matmul_precisions(copied)) == {"low"}
             assert amp_compiler.explain(copied) is not None
         assert not torch.allclose(model(x), twin(x))
+
+
+def test_a_call_under_a_users_dispatch_mode_runs_autocast_and_says_so():
+    """dynamo runs a frame as written under a TorchDispatchMode: before, every matmul ran fp32, silently."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from amp_compiler.dynamo.compile import DispatchModeFallbackWarning
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.mm):
+                self.seen.append(args[1].dtype if func.overloadpacket is torch.ops.aten.addmm else args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    model, x = CustomGeluMlp(), torch.randn(3, 16)
+    convert(model)
+    with MatmulDtypes() as mode, pytest.warns(DispatchModeFallbackWarning, match="TorchDispatchMode"):
+        model(x)
+        model(x)
+    assert mode.seen and set(mode.seen) == {torch.bfloat16}, mode.seen

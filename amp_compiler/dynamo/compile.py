@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from amp_compiler.config import make_config, with_model_lists
 from amp_compiler.dynamo.backend import amp_backend, forget_graphs
@@ -62,6 +64,8 @@ class CompiledForward:
         written = own_forward if own_forward is not None else types.MethodType(type(model).forward, model)
         functools.update_wrapper(self, written)   # inspect.signature(model.forward) stays the user's (generate reads it)
 
+    warned_dispatch_mode = False
+
     def __call__(self, *args, **kwargs):
         return _run(self, args, kwargs)
 
@@ -71,7 +75,31 @@ class CompiledForward:
 
 @torch._dynamo.disable
 def _run(forward: CompiledForward, args: tuple, kwargs: dict):
+    if _get_current_dispatch_mode() is not None:
+        return _under_autocast(forward, args, kwargs)
     return forward.compiled(forward.model, forward.own_forward, *args, **kwargs)
+
+
+class DispatchModeFallbackWarning(UserWarning):
+    """A TorchDispatchMode was active at a call: dynamo runs frames as written under one, so the call ran autocast."""
+
+
+def _under_autocast(forward: CompiledForward, args: tuple, kwargs: dict):
+    """Under a user's TorchDispatchMode dynamo runs the frame as written (measured: every matmul fp32, silently), so
+    the call runs as written inside torch.autocast(the level's dtype) instead, said once per model: the mode still
+    sees every op, and the matmuls run low as autocast decides."""
+    if not forward.warned_dispatch_mode:
+        forward.warned_dispatch_mode = True
+        warnings.warn(f"amp_compiler: a TorchDispatchMode ({type(_get_current_dispatch_mode()).__name__}) is active "
+                      f"while {type(forward.model).__name__} is called: TorchDynamo would run it as written (fp32), "
+                      f"so this call runs under torch.autocast({forward.config.low_dtype_name}) instead; call the "
+                      "model outside the mode for its converted graphs", DispatchModeFallbackWarning, stacklevel=3)
+    device = next((t.device.type for t in forward.model.parameters()), "cpu")
+    written = forward.own_forward or types.MethodType(type(forward.model).forward, forward.model)
+    if forward.config.level == "O0":
+        return written(*args, **kwargs)
+    with torch.autocast(device, forward.config.low_dtype):
+        return written(*args, **kwargs)
 
 
 def compiled_state(model) -> CompiledForward | None:
