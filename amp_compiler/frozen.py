@@ -372,6 +372,10 @@ def freeze(model: nn.Module, *, sample_values: bool = True) -> nn.Module:
     from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
     compiled = compiled_state(model)
     if compiled is not None:   # amp_compiler.compile / capture="dynamo": its weight cache is the freeze
+        if not hasattr(compiled, "converter"):   # compile_children: each child's own
+            for name in compiled.children:
+                freeze(getattr(model, name), sample_values=sample_values)
+            return model
         if not compiled.converter.caches_weights:
             raise TypeError("this model was compiled with weight_cache=False (or backend='inductor'): compile it "
                             "again with weight_cache=True to keep low weight copies")
@@ -402,9 +406,9 @@ def freeze_graph(gm: fx.GraphModule, sample_values: bool = True, *, training: bo
 
 def frozen_bytes(model: nn.Module) -> int:
     """Bytes the low-precision weight copies of `model`'s frozen graphs hold now."""
-    from amp_compiler.dynamo.backend import graphs as dynamo_graphs   # the dynamo package imports this module
+    from amp_compiler.dynamo.compile import compiled_graphs   # the dynamo package imports this module
     conversion = in_place_conversion(model)
     graphs = conversion.graph_modules() if conversion is not None else []   # outside the model's module tree
-    graphs += dynamo_graphs(model)
+    graphs += [gm for _, gm, _ in compiled_graphs(model)]
     holders = {id(m): m for root in (model, *graphs) for m in root.modules() if isinstance(m, FrozenWeights)}
     return sum(m.nbytes() for m in holders.values())   # a holder shared by graphs counted once

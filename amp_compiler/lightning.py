@@ -54,7 +54,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.plugins.precision import Precision
 
 import amp_compiler
-from amp_compiler.in_place.conversion import in_place_conversion
+from amp_compiler.dynamo.compile import compile_children
+from amp_compiler.in_place.conversion import converted_in_place, in_place_conversion
 from amp_compiler.in_place.fp8_histories import load_histories, pop_history_keys
 from amp_compiler.train.loss_scale import LossScaleManager
 from amp_compiler.train.overflow_report import locate_overflow
@@ -92,10 +93,16 @@ class AmpTraining:
 
     # -- conversion ------------------------------------------------------------------------------------------
     def convert(self, module: nn.Module) -> nn.Module:
-        if in_place_conversion(module) is None:   # a second fit() on the same model keeps its conversion
-            amp_compiler.convert(module, self.level, inplace=True, dtype=self.dtype, **self.convert_options)
-            if _is_lightning_module(module):
-                in_place_conversion(module).parts[""].children_become_parts()
+        if converted_in_place(module) is None:   # a second fit() on the same model keeps its conversion
+            options = dict(self.convert_options)
+            if options.get("capture") == "dynamo" and _is_lightning_module(module):
+                # training_step calls the children, never the LightningModule's forward: each child is compiled
+                options.pop("capture")
+                compile_children(module, self.level, backend="eager", dtype=self.dtype, **options)
+            else:
+                amp_compiler.convert(module, self.level, inplace=True, dtype=self.dtype, **options)
+                if _is_lightning_module(module) and in_place_conversion(module) is not None:
+                    in_place_conversion(module).parts[""].children_become_parts()
         self.model = module
         return module
 

@@ -112,6 +112,7 @@ def bench_decode(args) -> None:
     model = llama(args.hidden, args.layers, args.vocab).eval()
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
+        torch._dynamo.reset()   # each batch size compiles afresh, as a new process would
         prompt = torch.randint(0, args.vocab, (batch, 32), generator=torch.Generator().manual_seed(batch))
         runs = variants(model)
         first = {}
@@ -152,6 +153,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
+    # torch.compile(model) of three copies of one class shares the class's forward code object: dynamo's limit of
+    # 8 graphs per code object (prefill + 2 decode graphs each) would leave the third copy running as written
+    torch._dynamo.config.recompile_limit = 64
     if "train" in args.what:
         bench_train(args)
     if "decode" in args.what:

@@ -60,6 +60,31 @@ class AtenDtypeRecorder(TorchDispatchMode):
         return {d for name in op_names for dtypes in self.calls.get(name, []) for d in dtypes}
 
 
+PROFILER_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16,
+                   "double": torch.float64}
+
+
+class ProfiledDtypes:
+    """AtenDtypeRecorder's answers from torch.profiler (record_shapes=True gives each op's input dtypes): a
+    TorchDispatchMode makes TorchDynamo run a frame as written, so it cannot observe a model on dynamo's capture.
+    Op names as AtenDtypeRecorder takes them ("addmm"), or with a namespace ("mkldnn::_linear_pointwise"). The
+    profiler also records the fake-tensor ops of dynamo's tracing: profile a call that compiles nothing."""
+
+    def __enter__(self):
+        self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+        self.profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.profile.__exit__(*exc)
+        self.events = [(e.name, e.input_dtypes) for e in self.profile.events()]
+
+    def input_dtypes(self, *op_names: str) -> set:
+        names = {name if "::" in name else f"aten::{name}" for name in op_names}
+        return {PROFILER_DTYPES[d] for name, dtypes in self.events if name in names for d in dtypes
+                if d in PROFILER_DTYPES}
+
+
 def cast_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if is_cast(n)]
 

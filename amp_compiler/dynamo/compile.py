@@ -6,6 +6,7 @@ compiles itself on its own first call, reading its own weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 import warnings
@@ -15,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from amp_compiler.config import make_config, with_model_lists
-from amp_compiler.dynamo.backend import amp_backend, forget_graphs
+from amp_compiler.dynamo.backend import amp_backend, forget_graphs, graphs
 
 ATTRIBUTE = "_amp_compiled"   # on the user's model: its CompiledForward (also its `forward`)
 
@@ -102,13 +103,54 @@ def _under_autocast(forward: CompiledForward, args: tuple, kwargs: dict):
         return written(*args, **kwargs)
 
 
-def compiled_state(model) -> CompiledForward | None:
+@dataclasses.dataclass
+class CompiledChildren:
+    """The record of a module whose children were compiled one by one (compile_children)."""
+    config: object
+    children: list   # the names of the compiled children
+
+
+def compile_children(module: nn.Module, level: str = "O1", **options) -> nn.Module:
+    """amp_compiler.compile on each direct child that holds parameters, the module itself left as written: for a
+    module whose own forward is not what runs (a LightningModule's training_step calls its children). restore,
+    explain and frozen_bytes take the module. Options are compile()'s."""
+    if compiled_state(module) is not None:
+        restore_compiled(module)
+    config = with_model_lists(make_config(level, **{k: v for k, v in options.items()
+                                                    if k not in ("backend", "dynamic", "weight_cache")}), module)
+    names = [name for name, child in module.named_children() if any(True for _ in child.parameters())]
+    for name in names:
+        compile(getattr(module, name), level, **options)
+    module.__dict__[ATTRIBUTE] = CompiledChildren(config, names)
+    return module
+
+
+def compiled_state(model) -> CompiledForward | CompiledChildren | None:
     return model.__dict__.get(ATTRIBUTE) if isinstance(model, nn.Module) else None
 
 
+def compiled_graphs(model: nn.Module) -> list[tuple[str, object, object]]:
+    """(the module path the graph's paths are relative to, the graph, its CompiledForward) for every graph of a
+    compiled model, or of its compiled children."""
+    state = compiled_state(model)
+    if isinstance(state, CompiledChildren):
+        return [(name if not path else f"{name}.{path}", gm, forward) for name in state.children
+                for path, gm, forward in compiled_graphs(getattr(model, name))]
+    if isinstance(state, CompiledForward):
+        return [("", gm, state) for gm in graphs(model)]
+    return []
+
+
 def restore_compiled(model: nn.Module) -> nn.Module:
-    """Undo amp_compiler.compile(model): its forward as before, the graphs dropped with the compiled frame."""
+    """Undo amp_compiler.compile(model) (or compile_children): its forward as before, the graphs dropped with the
+    compiled frame."""
     state = model.__dict__.pop(ATTRIBUTE)
+    if isinstance(state, CompiledChildren):
+        for name in state.children:
+            child = getattr(model, name, None)
+            if compiled_state(child) is not None:
+                restore_compiled(child)
+        return model
     model.__dict__.pop("forward", None)
     forget_graphs(model)
     if state.own_forward is not None:

@@ -7,24 +7,29 @@ their attention).
 """
 from __future__ import annotations
 
-from amp_compiler.dynamo.backend import graphs
+from amp_compiler.dynamo.compile import CompiledForward, compiled_graphs
 from amp_compiler.insight.report import PrecisionReport, _totals, explain
 
 NOT_CALLED = "not called yet: dynamo captures graphs on the model's calls, so there is nothing to report"
 
 
 def explain_compiled(model, state) -> PrecisionReport:
+    """One report of every graph of a compiled model (or of its compiled children: their paths prefixed)."""
     config = state.config
-    rows, islands, casts, warnings, notes = [], [], 0, [], []
-    made = graphs(model)
-    for index, gm in enumerate(made, 1):
+    rows, islands, casts, warnings, notes, fallbacks = [], [], 0, [], [], []
+    made = []
+    for index, (prefix, gm, forward) in enumerate(compiled_graphs(model), 1):
         report = explain(gm)
-        rows += report.rows
-        islands += report.islands
+        rows += [{**row, "module": _joined(prefix, row["module"])} for row in report.rows]
+        islands += [{**island, "module": _joined(prefix, island["module"])} for island in report.islands]
         casts += report.totals["casts"]
         warnings += report.warnings
-        notes.append(graph_line(index, gm))
-    notes += [f"fallback: {reason}" for reason in dict.fromkeys(state.converter.fallbacks)]
+        notes.append(graph_line(index, gm, prefix))
+        made.append(gm)
+        fallbacks += forward.converter.fallbacks
+    if isinstance(state, CompiledForward):
+        fallbacks += state.converter.fallbacks
+    notes += [f"fallback: {reason}" for reason in dict.fromkeys(fallbacks)]
     recompiles = sum(1 for gm in made if not _compile_id(gm).endswith("/0"))
     breaks = sum(1 for gm in made if gm.meta["amp"].get("dynamo", {}).get("graph_break"))
     summary = {"level": config.level, "requested_level": config.requested_level, "dtype": config.low_dtype_name,
@@ -36,14 +41,19 @@ def explain_compiled(model, state) -> PrecisionReport:
     return PrecisionReport(rows, _totals(rows, casts), summary, islands, warnings=warnings)
 
 
-def graph_line(index: int, gm) -> str:
+def _joined(prefix: str, path: str) -> str:
+    return ".".join(p for p in (prefix, path) if p)
+
+
+def graph_line(index: int, gm, prefix: str = "") -> str:
     facts = gm.meta["amp"]
     dynamo = facts.get("dynamo", {})
     ended = f"; ends at a graph break: {dynamo['graph_break']}" if dynamo.get("graph_break") else ""
     bodies = f", {len(facts['bodies'])} checkpointed bod(ies)" if facts.get("bodies") else ""
     cached = facts.get("frozen", {}).get("weight_casts_frozen")
     cache = f", {cached} weight casts cached" if cached else ""
-    return (f"graph {index} (compile id {dynamo.get('compile_id') or '?'}): {facts.get('nodes_captured', '?')} nodes"
+    of = f" of {prefix}" if prefix else ""
+    return (f"graph {index}{of} (compile id {dynamo.get('compile_id') or '?'}): {facts.get('nodes_captured', '?')} nodes"
             f"{bodies}{cache}, converted in {facts.get('conversion_s', 0):.2f} s{ended}")
 
 

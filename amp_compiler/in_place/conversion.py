@@ -305,6 +305,14 @@ def in_place_conversion(model: nn.Module) -> InPlaceConversion | None:
     return model.__dict__.get(ATTRIBUTE) if isinstance(model, nn.Module) else None
 
 
+def converted_in_place(model: nn.Module):
+    """The record of an in-place conversion on either capture: the parts' InPlaceConversion, or the CompiledForward
+    of capture="dynamo" / amp_compiler.compile (of the model, or of its children: CompiledChildren); None if
+    neither. Each has `.config`."""
+    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
+    return in_place_conversion(model) or compiled_state(model)
+
+
 def restore(model: nn.Module) -> nn.Module:
     """Undo convert(model, inplace=True) or amp_compiler.compile(model): every converted module's own forward is
     back, graphs dropped."""
