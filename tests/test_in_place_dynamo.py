@@ -143,3 +143,43 @@ def test_a_call_under_a_users_dispatch_mode_runs_autocast_and_says_so():
         model(x)
         model(x)
     assert mode.seen and set(mode.seen) == {torch.bfloat16}, mode.seen
+
+
+class StringMode(nn.Module):
+    """A Python string argument: dynamo makes a graph per value (strings are never dynamic)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, mode: str = "a"):
+        return self.fc(x) + len(mode)
+
+
+def test_a_model_recompiled_past_dynamos_default_limit_stays_converted():
+    model, x = StringMode(), torch.randn(2, 8)
+    convert(model)
+    with torch.no_grad():
+        for length in range(1, 12):   # dynamo's own limit is 8 graphs per frame, then fp32 as written
+            mode = "m" * length
+            assert not torch.equal(model(x, mode), model.fc(x) + length), length
+    assert len(graphs(model)) == 11
+
+
+def test_the_last_graph_a_frame_gets_is_said(monkeypatch):
+    import sys
+    import amp_compiler.dynamo.backend as backend
+    from amp_compiler.dynamo.backend import RecompileLimitWarning
+    compile_module = sys.modules["amp_compiler.dynamo.compile"]   # the package's `compile` names the function
+    for module in (backend, compile_module):
+        monkeypatch.setattr(module, "RECOMPILE_LIMIT", 3)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
+    model, x = StringMode(), torch.randn(2, 8)
+    convert(model)
+    with torch.no_grad():
+        model(x, "a")
+        model(x, "bb")
+        with pytest.warns(RecompileLimitWarning, match="compiled 3 times.*as written"):
+            model(x, "ccc")
+        out = model(x, "dddd")   # past the limit: dynamo runs it as written, as the warning said
+    assert torch.equal(out, model.fc(x) + 4)

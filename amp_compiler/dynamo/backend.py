@@ -51,9 +51,11 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
             fallback = under_autocast(as_captured, config, example_inputs, error)
             convert_graph.fallbacks.append(fallback.reason)
             return fallback
-        converted.meta["amp"]["dynamo"] = {"compile_id": str(gm.meta.get("dynamo_compile_id", "")),
+        compile_id = str(gm.meta.get("dynamo_compile_id", ""))
+        converted.meta["amp"]["dynamo"] = {"compile_id": compile_id,
                                            "graph_break": _where(reason) if getattr(reason, "graph_break", False)
                                            else None}
+        _warn_at_the_recompile_limit(compile_id, model)
         if convert_graph.caches_weights:
             cache_weight_casts(converted, convert_graph.weight_cache)
         if model is not None:
@@ -113,6 +115,24 @@ def _where(reason) -> str:
     frame = stack[-1] if stack else None
     at = f" (at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name})" if frame is not None else ""
     return f"{reason.reason}{at}"
+
+
+RECOMPILE_LIMIT = 64   # graphs per frame of a compiled model (dynamo's default: 8, then the frame runs as written)
+
+
+class RecompileLimitWarning(UserWarning):
+    """A frame of a compiled model made its last graph: a new call form of it will run as written (fp32)."""
+
+
+def _warn_at_the_recompile_limit(compile_id: str, model) -> None:
+    """compile ids are "frame/attempt": attempt RECOMPILE_LIMIT - 1 is the last graph dynamo makes for the frame."""
+    attempt = compile_id.rsplit("/", 1)[-1]
+    if attempt.isdigit() and int(attempt) + 1 >= RECOMPILE_LIMIT:
+        warnings.warn(f"amp_compiler: a frame of {type(model).__name__ if model is not None else 'the model'} has "
+                      f"been compiled {int(attempt) + 1} times (shapes, flags or Python arguments that change from "
+                      "call to call): TorchDynamo runs a new call form of it as written from now on, in fp32. Pass "
+                      "changing Python values as tensors, or mark dims dynamic (torch._dynamo.mark_dynamic)",
+                      RecompileLimitWarning, stacklevel=2)
 
 
 class ConversionFallbackWarning(UserWarning):

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from amp_compiler.config import make_config, with_model_lists
-from amp_compiler.dynamo.backend import amp_backend, forget_graphs, graphs
+from amp_compiler.dynamo.backend import RECOMPILE_LIMIT, amp_backend, forget_graphs, graphs
 
 ATTRIBUTE = "_amp_compiled"   # on the user's model: its CompiledForward (also its `forward`)
 
@@ -78,7 +78,15 @@ class CompiledForward:
 def _run(forward: CompiledForward, args: tuple, kwargs: dict):
     if _get_current_dispatch_mode() is not None:
         return _under_autocast(forward, args, kwargs)
-    return forward.compiled(forward.model, forward.own_forward, *args, **kwargs)
+    # dynamo's default of 8 graphs per frame, then as written (fp32, a log line): the limit is RECOMPILE_LIMIT for
+    # this model's frames only (set around its calls: 7 us), and the backend warns when a frame reaches it
+    config = torch._dynamo.config
+    limit = config.recompile_limit
+    config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+    try:
+        return forward.compiled(forward.model, forward.own_forward, *args, **kwargs)
+    finally:
+        config.recompile_limit = limit
 
 
 class DispatchModeFallbackWarning(UserWarning):
