@@ -171,8 +171,8 @@ def test_the_last_graph_a_frame_gets_is_said(monkeypatch):
     import amp_compiler.dynamo.backend as backend
     from amp_compiler.dynamo.backend import RecompileLimitWarning
     compile_module = sys.modules["amp_compiler.dynamo.compile"]   # the package's `compile` names the function
-    for module in (backend, compile_module):
-        monkeypatch.setattr(module, "RECOMPILE_LIMIT", 3)
+    monkeypatch.setattr(backend, "RECOMPILE_LIMIT", 3)
+    monkeypatch.setitem(compile_module.CAPTURE_SETTINGS, "recompile_limit", 3)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
     model, x = StringMode(), torch.randn(2, 8)
     convert(model)
@@ -183,3 +183,21 @@ def test_the_last_graph_a_frame_gets_is_said(monkeypatch):
             model(x, "ccc")
         out = model(x, "dddd")   # past the limit: dynamo runs it as written, as the warning said
     assert torch.equal(out, model.fc(x) + 4)
+
+
+@pytest.mark.parametrize("name", ["nn_lstm", "nn_moe_index_add"])
+def test_what_dynamos_defaults_run_as_written_is_converted(name):
+    """nn.LSTM is a graph break by default (allow_rnn), and a mask's nonzero in a loop skips the whole frame
+    (capture_dynamic_output_shape_ops): both ran fp32 as written with no graph at all."""
+    from real_models import REAL_MODELS
+    spec = REAL_MODELS[name]
+    model = spec.build()
+    inputs = spec.inputs()
+    with torch.no_grad():
+        reference = spec.output(model(*inputs))
+        with torch.autocast("cpu", torch.bfloat16):
+            autocast_error = (spec.output(model(*inputs)).float() - reference).abs().max().item()
+        convert(model)
+        error = (spec.output(model(*inputs)).float() - reference).abs().max().item()
+    assert graphs(model) and "low" in matmul_precisions(model)
+    assert 0 < error <= 2 * autocast_error, (error, autocast_error)

@@ -78,15 +78,24 @@ class CompiledForward:
 def _run(forward: CompiledForward, args: tuple, kwargs: dict):
     if _get_current_dispatch_mode() is not None:
         return _under_autocast(forward, args, kwargs)
-    # dynamo's default of 8 graphs per frame, then as written (fp32, a log line): the limit is RECOMPILE_LIMIT for
-    # this model's frames only (set around its calls: 7 us), and the backend warns when a frame reaches it
     config = torch._dynamo.config
-    limit = config.recompile_limit
-    config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+    saved = {name: getattr(config, name) for name in CAPTURE_SETTINGS}
+    for name, value in CAPTURE_SETTINGS.items():
+        setattr(config, name, max(value, saved[name]) if name == "recompile_limit" else value)
     try:
         return forward.compiled(forward.model, forward.own_forward, *args, **kwargs)
     finally:
-        config.recompile_limit = limit
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+# dynamo settings for this model's frames only, set around its calls (10 us): where dynamo's defaults skip code, it
+# runs as written, in fp32, with a log line at most (measured on the conformance models)
+CAPTURE_SETTINGS = {
+    "recompile_limit": RECOMPILE_LIMIT,         # default 8 graphs per frame (the backend warns at the last one)
+    "allow_rnn": True,                          # default: a graph break at nn.LSTM/GRU/RNN, which ran fp32
+    "capture_dynamic_output_shape_ops": True,   # default: nonzero/index by mask skips a frame with a loop (an MoE)
+}
 
 
 class DispatchModeFallbackWarning(UserWarning):
