@@ -201,3 +201,32 @@ def test_what_dynamos_defaults_run_as_written_is_converted(name):
         error = (spec.output(model(*inputs)).float() - reference).abs().max().item()
     assert graphs(model) and "low" in matmul_precisions(model)
     assert 0 < error <= 2 * autocast_error, (error, autocast_error)
+
+
+class SkippedByDynamo(nn.Module):
+    """A graph break inside a loop: dynamo skips the whole frame (no graph) and runs it as written."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for _ in range(2):
+            x = self.fc(x)
+            torch._dynamo.graph_break()
+        return x
+
+
+def test_a_model_dynamo_makes_no_graph_of_runs_under_autocast_after_saying_so():
+    from amp_compiler.dynamo.compile import NotCapturedWarning
+    model, x = SkippedByDynamo(), torch.randn(2, 8)
+    with torch.no_grad():
+        expected_fp32 = model(x)
+        with torch.autocast("cpu", torch.bfloat16):
+            expected_autocast = model(x)
+        convert(model)
+        with pytest.warns(NotCapturedWarning, match="captured no graph of SkippedByDynamo"):
+            first = model(x)
+        assert torch.equal(first, expected_fp32)   # that call ran as written: correct, unconverted
+        assert torch.equal(model(x), expected_autocast)
+    assert "fallback: TorchDynamo captured no graph" in str(amp_compiler.explain(model))

@@ -66,6 +66,7 @@ class CompiledForward:
         functools.update_wrapper(self, written)   # inspect.signature(model.forward) stays the user's (generate reads it)
 
     warned_dispatch_mode = False
+    not_captured: str | None = None   # why dynamo made no graph of the model: it runs under autocast
 
     def __call__(self, *args, **kwargs):
         return _run(self, args, kwargs)
@@ -76,8 +77,35 @@ class CompiledForward:
 
 @torch._dynamo.disable
 def _run(forward: CompiledForward, args: tuple, kwargs: dict):
-    if _get_current_dispatch_mode() is not None:
+    if _get_current_dispatch_mode() is not None or forward.not_captured is not None:
         return _under_autocast(forward, args, kwargs)
+    if not forward.converter.graphs and not forward.converter.fallbacks:   # until a graph is made: did dynamo skip?
+        return _first_calls(forward, args, kwargs)
+    return _compiled_call(forward, args, kwargs)
+
+
+def _first_calls(forward: CompiledForward, args: tuple, kwargs: dict):
+    """A call before any graph exists. If dynamo makes none, it skipped the model's frame (a graph break it cannot
+    resume from, in a loop say): the call ran as written, fp32. Its result stands (correct, unconverted); from then
+    on the model runs under torch.autocast with the level's dtype, said once with dynamo's reason."""
+    unimplemented = torch._dynamo.utils.counters["unimplemented"]
+    before = set(unimplemented)
+    out = _compiled_call(forward, args, kwargs)
+    if not forward.converter.graphs and not forward.converter.fallbacks and \
+            any(True for _ in forward.model.parameters()):
+        reasons = [reason for reason in unimplemented if reason not in before]
+        why = reasons[-1].strip().splitlines()[0] if reasons else "no tensor op it could capture"
+        forward.not_captured = (f"TorchDynamo captured no graph of {type(forward.model).__name__} ({why}): it ran as "
+                                f"written; its calls run under torch.autocast({forward.config.low_dtype_name})")
+        warnings.warn(f"amp_compiler: {forward.not_captured}", NotCapturedWarning, stacklevel=3)
+    return out
+
+
+class NotCapturedWarning(UserWarning):
+    """TorchDynamo made no graph of a compiled model: it runs under torch.autocast instead."""
+
+
+def _compiled_call(forward: CompiledForward, args: tuple, kwargs: dict):
     config = torch._dynamo.config
     saved = {name: getattr(config, name) for name in CAPTURE_SETTINGS}
     for name, value in CAPTURE_SETTINGS.items():
@@ -106,7 +134,7 @@ def _under_autocast(forward: CompiledForward, args: tuple, kwargs: dict):
     """Under a user's TorchDispatchMode dynamo runs the frame as written (measured: every matmul fp32, silently), so
     the call runs as written inside torch.autocast(the level's dtype) instead, said once per model: the mode still
     sees every op, and the matmuls run low as autocast decides."""
-    if not forward.warned_dispatch_mode:
+    if forward.not_captured is None and not forward.warned_dispatch_mode:
         forward.warned_dispatch_mode = True
         warnings.warn(f"amp_compiler: a TorchDispatchMode ({type(_get_current_dispatch_mode()).__name__}) is active "
                       f"while {type(forward.model).__name__} is called: TorchDynamo would run it as written (fp32), "

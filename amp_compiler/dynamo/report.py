@@ -30,6 +30,7 @@ def explain_compiled(model, state) -> PrecisionReport:
     if isinstance(state, CompiledForward):
         fallbacks += state.converter.fallbacks
     notes += [f"fallback: {reason}" for reason in dict.fromkeys(fallbacks)]
+    notes += [f"fallback: {forward.not_captured}" for forward in _forwards(model, state) if forward.not_captured]
     recompiles = sum(1 for gm in made if not _compile_id(gm).endswith("/0"))
     breaks = sum(1 for gm in made if gm.meta["amp"].get("dynamo", {}).get("graph_break"))
     summary = {"level": config.level, "requested_level": config.requested_level, "dtype": config.low_dtype_name,
@@ -59,3 +60,11 @@ def graph_line(index: int, gm, prefix: str = "") -> str:
 
 def _compile_id(gm) -> str:
     return gm.meta["amp"].get("dynamo", {}).get("compile_id") or "0/0"
+
+
+def _forwards(model, state) -> list:
+    """The CompiledForward(s) of a compiled model, or of its compiled children."""
+    if isinstance(state, CompiledForward):
+        return [state]
+    return [getattr(model, name).__dict__.get("_amp_compiled") for name in state.children
+            if isinstance(getattr(model, name).__dict__.get("_amp_compiled"), CompiledForward)]
