@@ -274,9 +274,9 @@ def packed_frozen_linear(input, weight, bias, dtype: torch.dtype, copies):
     """linear(input, weight in `dtype`, bias) where the cache `copies` keeps only the weight's oneDNN-packed bf16
     copy (no plain one: the bytes of autocast's cached cast, not twice them). Wherever a packed copy cannot serve
     (autograd needs the weight, not a bf16 CPU oneDNN linear, torch.compile tracing) it casts and runs linear."""
-    if (copies.casts_each_call(weight) or dtype is not torch.bfloat16 or input.dtype is not dtype
-            or weight.device.type != "cpu" or weight.dim() != 2 or input.dim() < 2 or input.requires_grad
-            or (bias is not None and bias.dtype is not dtype) or not _packing_available()):
+    # fuse_packed_linears wrote this node for a 2-d weight, bf16, where oneDNN packs bf16: what is left to check
+    if (copies.casts_each_call(weight) or input.dtype is not dtype or weight.device.type != "cpu"
+            or input.dim() < 2 or input.requires_grad or (bias is not None and bias.dtype is not dtype)):
         return torch._C._nn.linear(input, copies.read(weight, dtype), bias)
     packed = copies._copy(weight, ("packed", dtype),
                           lambda w: (torch.ops.mkldnn._reorder_linear_weight(w.to(dtype)), None)).low
@@ -291,11 +291,12 @@ def fuse_packed_linears(gm: fx.GraphModule) -> int:
     """A frozen graph's linears whose bf16 weight copy nothing else reads call packed_frozen_linear (the cache then
     holds the packed copy alone); returns how many. Linears of other weights, and other dtypes, stay."""
     count = 0
-    for node in list(gm.graph.nodes):
+    for node in list(gm.graph.nodes) if _packing_available() else ():
         cast = node.args[1] if node.op == "call_function" and node.target in _LINEARS and len(node.args) > 1 \
             else None
         if (not isinstance(cast, fx.Node) or cast.target is not amp_frozen_cast or cast.args[1] is not torch.bfloat16
-                or node.kwargs or any(user.target not in _LINEARS or user.args[1] is not cast for user in cast.users)):
+                or node.kwargs or any(user.target not in _LINEARS or user.args[1] is not cast for user in cast.users)
+                or getattr(cast.args[0].meta.get("val"), "ndim", None) != 2):
             continue
         weight, dtype, copies = cast.args
         bias = node.args[2] if len(node.args) > 2 else None

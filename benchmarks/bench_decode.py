@@ -54,19 +54,26 @@ def llama(vocab: int, hidden: int, intermediate: int, layers: int, heads: int):
     return LlamaForCausalLM(config).eval()
 
 
-def variants(model) -> dict:
+def variants(model, names=VARIANTS) -> dict:
     """name -> (model, the context the whole decode runs in); each in-place one is a copy."""
     def autocast_region():
         return torch.autocast("cpu", dtype=LOW)   # once around the decode, as around generate()
 
-    in_place = amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True)
-    frozen = amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True, freeze=True)
-    packed = pack_linears(
-        amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True, freeze=True))
-    dynamo = amp_compiler.compile(copy.deepcopy(model), "O1", dtype=LOW, backend="eager")   # weight cache on
-    plain = contextlib.nullcontext
-    return dict(zip(VARIANTS, ((model, plain), (model, autocast_region), (in_place, plain), (frozen, plain),
-                               (packed, plain), (dynamo, plain))))
+    makers = {
+        "fp32": lambda: (model, contextlib.nullcontext),
+        "autocast": lambda: (model, autocast_region),
+        "in place": lambda: (amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True),
+                             contextlib.nullcontext),
+        "in place frozen": lambda: (amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True,
+                                                         freeze=True), contextlib.nullcontext),
+        "frozen + packed": lambda: (pack_linears(amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW,
+                                                                      inplace=True, freeze=True)),
+                                    contextlib.nullcontext),
+        # convert(inplace=True, capture="dynamo"): dynamo's capture, the weight cache on by default
+        "dynamo eager": lambda: (amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True,
+                                                      capture="dynamo"), contextlib.nullcontext),
+    }
+    return {name: makers[name]() for name in names}
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -161,12 +168,15 @@ def main() -> None:
                         help="cpu: this process's CPU time (at 1 thread, what other processes on the machine "
                              "cannot inflate)")
     parser.add_argument("--profile", choices=VARIANTS, help="print a cProfile of this variant instead")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="which to run (fp32 and autocast always: the ratios are to them)")
     parser.add_argument("--top", type=int, default=25, help="rows of the profile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     model = llama(args.vocab, args.hidden, args.intermediate, args.layers, args.heads)
-    runs = variants(model)
+    chosen = [name for name in VARIANTS if name in ("fp32", "autocast") or name in args.variants.split(",")]
+    runs = variants(model, chosen)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         prompt = torch.randint(0, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
@@ -175,7 +185,7 @@ def main() -> None:
                                                               args.top))
             continue
         ms, tokens = measure(runs, prompt, args.new, args.repeats, model.config, CLOCKS[args.clock])
-        for name in VARIANTS:
+        for name in chosen:
             prefill, decode, whole = ms[name]
             same = (tokens[name] == tokens["fp32"]).float().mean().item()
             rows.append([str(batch), name, f"{prefill:.2f}", f"{decode:.2f}", f"{decode / ms['fp32'][1]:.2f}",
@@ -191,7 +201,7 @@ def main() -> None:
              f"entered once around each decode (as around generate()); median of {args.repeats} alternated runs",
              ["batch", "variant", "prefill ms", "decode ms/token", "decode vs fp32", "decode vs autocast",
               "prefill vs autocast", "generate ms", "generate vs autocast", "tokens = fp32's"], rows)
-    for name in VARIANTS[2:5]:
+    for name in [n for n in chosen if n in VARIANTS[2:5]]:
         print(f"\n{name}: {part_counts(runs[name])}, frozen copies {amp_compiler.frozen_bytes(runs[name][0]) / 1e6:.1f} "
               f"MB (fp32 parameters {params * 4:.1f} MB)")
 
