@@ -34,8 +34,14 @@ def test_generate_runs_attention_low_in_every_decode_step_with_autocasts_tokens(
     with torch.autocast("cpu", torch.bfloat16):
         expected = model.generate(ids, **settings)
     assert convert(model) is model
-    tokens = model.generate(ids, **settings)
+    cache = transformers.DynamicCache()
+    tokens = model.generate(ids, past_key_values=cache, **settings)
     assert torch.equal(tokens, expected)
+    # the cache is state, not a returned value: kept bf16 as under autocast (restored to fp32 it cost twice the
+    # bytes, and every decode step cast all of it back to bf16 for attention)
+    assert {layer.keys.dtype for layer in cache.layers} == {layer.values.dtype for layer in cache.layers} == \
+        {torch.bfloat16}
+    assert all(gm.meta["amp"]["cache_tensors_low"] == 2 * 2 for gm in graphs(model))   # keys, values x 2 layers
     attention = [facts(n).get("precision") for gm in graphs(model)[1:] for n in gm.graph.nodes
                  if facts(n).get("op") == "scaled_dot_product_attention"]
     assert len(attention) >= 2 and set(attention) == {"low"}, attention   # the decode graphs' sdpa, each layer

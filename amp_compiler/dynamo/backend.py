@@ -18,6 +18,7 @@ from torch import nn
 
 from amp_compiler.config import AmpConfig
 from amp_compiler.convert import collector_paused, compile_graph
+from amp_compiler.dynamo.cache_state import mark_cache_state
 from amp_compiler.dynamo.bodies import call_bodies_directly, convert_bodies
 from amp_compiler.dynamo.graph_inputs import parameter_names, prepare_graph, user_path
 from amp_compiler.dynamo.weight_cache import cache_weight_casts
@@ -77,7 +78,9 @@ def convert_captured_graph(gm: fx.GraphModule, example_inputs, config: AmpConfig
                            model: nn.Module | None = None) -> fx.GraphModule:
     """FX_PIPELINE on dynamo's graph itself (no re-trace, no copy); the decisions stay in its meta["amp"]."""
     started = time.perf_counter()
+    cache_tensors = mark_cache_state(gm)   # before the passes: keep_io_types leaves these low
     converted = _convert(gm, parameter_names(gm, example_inputs, model), config, tuple(example_inputs))
+    converted.meta["amp"]["cache_tensors_low"] = cache_tensors
     converted.meta["amp"]["conversion_s"] = time.perf_counter() - started
     return converted
 

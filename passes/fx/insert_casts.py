@@ -74,9 +74,18 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
         outputs = output_value_nodes(gm)
         for value, original in zip(outputs, original_output_dtypes):
             have = facts(value).get("dtype")
-            if is_float(have) and is_float(original) and have != original:
+            if is_float(have) and is_float(original) and have != original and not keeps_its_dtype(value):
                 output.replace_input_with(value, cast_of(value, original, output))
     return PassResult(modified=inserted > 0, counts={"casts_inserted": inserted})
+
+
+STATE_OUTPUT = "amp_state_output"   # node meta: a value the graph stores into model state (a KV cache), not returns
+
+
+def keeps_its_dtype(value: fx.Node) -> bool:
+    """A graph output keep_io_types leaves in its computed dtype: a front end marked it as state the model stores
+    for its own next calls (dynamo: a KV cache's tensors), which autocast keeps low too."""
+    return bool(value.meta.get(STATE_OUTPUT))
 
 
 def first_reader_of_each_tensor(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from amp_compiler.passes.fx.aliases import written_value
-from amp_compiler.passes.fx.insert_casts import reads_as_norm_weight
+from amp_compiler.passes.fx.insert_casts import keeps_its_dtype, reads_as_norm_weight
 from amp_compiler.passes.fx.promote_in_kernel import promotion_partner
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.painting.place_casts import FP32, LOW, CastPlacement, ValueFlow
@@ -84,7 +84,8 @@ class FxCastPlacement:
                 if user.name in view and not self._weight_read_fp32(node, user) and user.name not in readers \
                         and not _promotes_in_kernel(node, user, view):
                     readers.append(user.name)
-                elif user.op == "output" and self.keep_io_types and facts(producer).get("dtype") == torch.float32:
+                elif user.op == "output" and self.keep_io_types and facts(producer).get("dtype") == torch.float32 \
+                        and not (keeps_its_dtype(node) or keeps_its_dtype(producer)):
                     readers.append(OUTPUT)
         pinned = _written_through_views(written.values())
         for node in self.gm.graph.nodes:
