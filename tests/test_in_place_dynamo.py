@@ -236,3 +236,16 @@ def test_a_model_dynamo_makes_no_graph_of_runs_under_autocast_after_saying_so():
         assert torch.equal(first, expected_fp32)   # that call ran as written: correct, unconverted
         assert torch.equal(model(x), expected_autocast)
     assert "fallback: TorchDynamo captured no graph" in str(amp_compiler.explain(model))
+
+
+def test_render_draws_every_graph_and_compare_verify_refuse_by_name(tmp_path):
+    model, x = DataDependent(), torch.randn(2, 8)
+    convert(model)
+    model(x)
+    path = amp_compiler.render(model, tmp_path / "model.html")
+    text = open(path).read()
+    assert "first" in text and "second" in text   # both graphs' modules
+    with pytest.raises(ValueError, match="compare\\(\\) does not take a model on TorchDynamo's capture"):
+        amp_compiler.compare(DataDependent(), model, (x,))
+    with pytest.raises(ValueError, match="verify\\(\\) does not take a model on TorchDynamo's capture"):
+        amp_compiler.verify(model, x)

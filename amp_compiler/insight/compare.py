@@ -144,6 +144,7 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None 
     if in_place_conversion(gm) is not None:   # convert(model, inplace=True): each part graph's nodes
         from amp_compiler.in_place.report import compare_in_place
         return compare_in_place(model, gm, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), rtol)
+    refuse_compiled(gm, "compare")
     if not isinstance(gm, fx.GraphModule):
         raise ValueError("compare() takes the GraphModule convert() returned; for a model run as written "
                          "(its children converted), compare each child with the inputs it receives")
@@ -372,3 +373,12 @@ class _eval_mode:
         for flags in self.flags:
             for module, flag in flags.items():
                 module.training = flag
+
+
+def refuse_compiled(model, tool: str) -> None:
+    """compare/verify replay a graph on the inputs it receives; a model on dynamo's capture is not taken yet."""
+    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
+    if compiled_state(model) is not None:
+        raise ValueError(f"{tool}() does not take a model on TorchDynamo's capture (capture='dynamo', "
+                         f"amp_compiler.compile) yet: amp_compiler.explain(model) and render(model) report its graphs; "
+                         f"for {tool}(), convert(model) (a GraphModule) or capture='parts'")

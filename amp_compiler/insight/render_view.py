@@ -41,7 +41,11 @@ def fx_view(module, title: str | None = None) -> dict:
     graphs = [(name, module.get_submodule(name)) for name in summary["children"]] \
         if "children" in summary else [("", module)]
     renames = [None] * len(graphs)   # a graph's module and parameter paths -> the user's
-    if summary.get("in_place"):   # each part's latest graph, its "inner.x" modules renamed <part>.x
+    from amp_compiler.dynamo.compile import compiled_graphs   # the dynamo package imports this module
+    if compiled_graphs(module):   # capture="dynamo" / amp_compiler.compile: every graph, paths the user's already
+        graphs = [(prefix, gm) for prefix, gm, _ in compiled_graphs(module)]
+        renames = [None] * len(graphs)
+    elif summary.get("in_place"):   # each part's latest graph, its "inner.x" modules renamed <part>.x
         from amp_compiler.in_place.report import shown_graphs, user_path
         shown = shown_graphs(in_place_conversion(module))
         graphs = [(part.path, graph.gm) for part, graph in shown]

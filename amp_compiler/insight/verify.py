@@ -42,6 +42,8 @@ def verify(gm: fx.GraphModule, *inputs, **kwargs) -> None:
         from amp_compiler.in_place.report import verify_in_place
         verify_in_place(gm, inputs, kwargs)
         return
+    from amp_compiler.insight.compare import refuse_compiled
+    refuse_compiled(gm, "verify")
     if "amp" not in getattr(gm, "meta", {}):
         raise ValueError("verify() needs a GraphModule returned by amp_compiler.convert()")
     if "children" in gm.meta["amp"]:   # the model's own forward runs as written: check each converted child
