@@ -249,3 +249,19 @@ def test_render_draws_every_graph_and_compare_verify_refuse_by_name(tmp_path):
         amp_compiler.compare(DataDependent(), model, (x,))
     with pytest.raises(ValueError, match="verify\\(\\) does not take a model on TorchDynamo's capture"):
         amp_compiler.verify(model, x)
+
+
+def test_lora_adapters_added_after_converting_run_low_and_train():
+    """peft's get_peft_model on a model converted in place: dynamo captures the adapted forward on its next call
+    (the parts capture kept the graphs made before the adapters and ignored them)."""
+    peft = pytest.importorskip("peft")
+    model, ids = tiny_llama().train(), torch.randint(0, 128, (2, 12))
+    convert(model)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    adapted(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    linears = [(facts(n).get("module") or "", facts(n).get("precision")) for gm in graphs(model)
+               for n in gm.graph.nodes if facts(n).get("op") == "linear"]
+    lora = [precision for module, precision in linears if ".lora_" in module]
+    assert len(lora) == 2 * 2 * 2 and set(lora) == {"low"}, linears   # A and B, q and v, 2 layers
+    grads = [p.grad for name, p in adapted.named_parameters() if "lora_B" in name]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
