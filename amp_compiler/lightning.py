@@ -140,7 +140,7 @@ class AmpTraining:
                 "or depends on state the replay does not restore)")
 
     def write_report(self) -> None:
-        if self.report_html and self.model is not None and in_place_conversion(self.model) is not None \
+        if self.report_html and self.model is not None and converted_in_place(self.model) is not None \
                 and rank_zero_only.rank == 0:
             amp_compiler.render(self.model, self.report_html)
 

@@ -96,14 +96,16 @@ def test_accelerate_prepare_on_dynamo_trains_like_fp32():
     close_to(weights(model), weights(reference), start)
 
 
-def test_lightning_on_dynamo_compiles_the_children_training_step_calls_and_trains_like_bf16_mixed():
+def test_lightning_on_dynamo_compiles_the_children_training_step_calls_and_trains_like_bf16_mixed(tmp_path):
     from test_lightning import Classifier, fit
     from amp_compiler.lightning import AmpPrecision
     reference = Classifier()
     fit(reference, precision="bf16-mixed")
     converted = Classifier()
     converted.recorder = ProfiledDtypes()
-    fit(converted, plugins=[AmpPrecision("O1", dtype=torch.bfloat16, capture="dynamo")])
+    report = tmp_path / "report.html"
+    fit(converted, plugins=[AmpPrecision("O1", dtype=torch.bfloat16, capture="dynamo", report_html=str(report))])
+    assert "model" in report.read_text()   # the HTML report of the children's graphs
     for ours, theirs in zip(converted.losses, reference.losses):
         assert abs(ours - theirs) <= 2e-2 * abs(theirs), (converted.losses, reference.losses)
     assert all(converted.params_changed)
