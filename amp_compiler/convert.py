@@ -71,17 +71,23 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     state_dict); its parts are captured on their first calls (in_place/conversion.py), example_inputs optional.
     `capture` (inplace=True): "parts" (that machinery) or "dynamo": TorchDynamo captures the model's calls and the
     same passes convert each graph (amp_compiler.compile(model, level, backend="eager"): generate() with attention
-    low, checkpointing recomputed, a weight-cast cache in inference; see amp_compiler/dynamo/).
+    low, checkpointing recomputed, a weight-cast cache in inference, on by default: freeze=True changes nothing
+    there, weight_cache=False turns it off; see amp_compiler/dynamo/).
     """
-    config = make_config(level, **overrides)
-    check_calibration_data(calibration_data)   # before any work: a bare tensor would be split into rows
     if capture not in CAPTURES:
         raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}; got {capture!r}")
+    weight_cache = overrides.pop("weight_cache", None)
+    if weight_cache is not None and capture != "dynamo":
+        raise ValueError("weight_cache is an option of capture='dynamo' (whose weight cache is on by default); "
+                         "elsewhere freeze=True keeps low weight copies")
+    config = make_config(level, **overrides)
+    check_calibration_data(calibration_data)   # before any work: a bare tensor would be split into rows
     if capture == "dynamo":
         if not inplace:
             raise ValueError("capture='dynamo' converts the model in place: pass inplace=True (convert() without "
                              "it returns a GraphModule from fx or torch.export)")
-        return _convert_on_dynamo(model, level, example_inputs, dynamic_shapes, calibration_data, overrides)
+        return _convert_on_dynamo(model, level, example_inputs, dynamic_shapes, calibration_data, overrides,
+                                  weight_cache=True if weight_cache is None else weight_cache)
     with collector_paused():
         return _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace,
                         overrides)
@@ -90,7 +96,8 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
 CAPTURES = ("parts", "dynamo")
 
 
-def _convert_on_dynamo(model, level, example_inputs, dynamic_shapes, calibration_data, overrides) -> nn.Module:
+def _convert_on_dynamo(model, level, example_inputs, dynamic_shapes, calibration_data, overrides, *,
+                       weight_cache: bool = True) -> nn.Module:
     from amp_compiler.dynamo.compile import compile as compile_on_dynamo   # the dynamo package imports this module
     from amp_compiler.frontend.capture import refuse_low_parameters
     from amp_compiler.in_place.conversion import in_place_conversion, undone_effects
@@ -111,7 +118,7 @@ def _convert_on_dynamo(model, level, example_inputs, dynamic_shapes, calibration
         raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
                         f"got {type(example_inputs).__name__}")
     refuse_low_parameters(model)
-    compile_on_dynamo(model, level, backend="eager", **overrides)
+    compile_on_dynamo(model, level, backend="eager", weight_cache=weight_cache, **overrides)
     if example_inputs is not None:   # capture now: one call with these inputs, its effects undone
         with undone_effects(model), torch.no_grad():
             model(*example_inputs)

@@ -152,7 +152,7 @@ class FrozenWeights(nn.Module):
     def read(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.casts_each_call(weight):
             if self._copies and torch.is_grad_enabled() and weight.requires_grad:
-                self.clear()   # a training step follows: the copies would be stale, and their bytes are wanted
+                self._forget(weight, dtype)   # a step will change it: the copy would be stale, its bytes wanted
             return amp_cast(weight, dtype)
         return self._copy(weight, dtype, lambda w: (w.to(dtype), None)).low
 
@@ -185,6 +185,13 @@ class FrozenWeights(nn.Module):
             self._copies_changed()
             self.copies_made += 1
         return copy
+
+    def _forget(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        """Drop this weight's plain and packed copies (the others' stay: a LoRA base keeps its copies while its
+        adapters train)."""
+        dropped = [self._copies.pop(key, None) for key in ((id(weight), dtype), (id(weight), ("packed", dtype)))]
+        if any(copy is not None for copy in dropped):
+            self._copies_changed()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for c in self._copies.values()

@@ -144,3 +144,33 @@ def test_hugging_face_gradient_checkpointing_recomputes_each_layer_in_bf16():
     assert {dtype for _, dtype in matmuls} == {torch.bfloat16}
     assert saved_bytes <= 1.1 * expected_bytes, (saved_bytes, expected_bytes)
     assert model.is_gradient_checkpointing
+
+
+def test_a_fallback_runs_the_checkpoint_bodies_as_captured(monkeypatch):
+    """The passes convert a checkpoint body in place: a failure after that must not leave the autocast fallback
+    running a half-converted body."""
+    import amp_compiler.dynamo.backend as backend
+    from amp_compiler.dynamo.backend import ConversionFallbackWarning
+    from amp_compiler.passes.fx.runtime import amp_cast
+
+    def failing(gm):
+        raise RuntimeError("late failure")
+    monkeypatch.setattr(backend, "call_bodies_directly", failing)   # after the bodies were converted
+    torch.manual_seed(0)
+    model, x = Checkpointed("checkpoint"), torch.randn(8, 32)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        expected = model(x)
+    made = []
+    original = backend.under_autocast.__init__
+
+    def recording(self, gm, *args, **kwargs):
+        made.append(gm)
+        original(self, gm, *args, **kwargs)
+    monkeypatch.setattr(backend.under_autocast, "__init__", recording)
+    amp_compiler.compile(model, "O1", dtype=torch.bfloat16, backend="eager")
+    with torch.no_grad(), pytest.warns(ConversionFallbackWarning, match="late failure"):
+        out = model(x)
+    torch.testing.assert_close(out, expected)
+    body_nodes = [n for gm in made for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule) and sub is not gm
+                  for n in sub.graph.nodes]
+    assert body_nodes and not any(n.target is amp_cast for n in body_nodes)

@@ -125,3 +125,16 @@ def test_a_frozen_base_that_needs_no_gradient_stays_cached_while_grad_is_on():
     model(x)
     model(x)
     assert cache_of(model).copies_made == 4   # two weights, two biases, once
+
+
+def test_a_trainable_adapter_leaves_the_frozen_bases_copies_cached():
+    """LoRA-like: the base weight needs no gradient, the head trains; reading the head (grad on) must not drop the
+    base's copy (it did: every training step cast the base again)."""
+    model, x = mlp().train(), torch.randn(4, 32)
+    model[0].requires_grad_(False)
+    amp_compiler.compile(model, "O1", dtype=torch.bfloat16, backend="eager")
+    for _ in range(3):
+        model(x).float().sum().backward()
+    cache = cache_of(model)
+    assert cache.copies_made == 2, cache.copies_made   # model[0]'s weight and bias, once
+    assert model[2].weight.grad is not None and model[0].weight.grad is None

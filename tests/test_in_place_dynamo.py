@@ -83,7 +83,9 @@ def test_restore_explain_and_freeze_take_it():
     with torch.no_grad():
         model(x)
     assert "torch.dynamo: 1 graph(s)" in str(amp_compiler.explain(model))
-    assert amp_compiler.freeze(model) is model and amp_compiler.frozen_bytes(model) > 0
+    assert amp_compiler.frozen_bytes(model) > 0   # the weight cache is on by default
+    assert amp_compiler.freeze(model, sample_values=False) is model   # the cache's option, as freeze's
+    assert model.__dict__["_amp_compiled"].converter.weight_cache.sample_values is False
     amp_compiler.restore(model)
     assert torch.equal(model(x), expected)
 
@@ -143,11 +145,15 @@ def test_a_call_under_a_users_dispatch_mode_runs_autocast_and_says_so():
                 self.seen.append(args[1].dtype if func.overloadpacket is torch.ops.aten.addmm else args[0].dtype)
             return func(*args, **(kwargs or {}))
 
+    import warnings
     model, x = CustomGeluMlp(), torch.randn(3, 16)
     convert(model)
-    with MatmulDtypes() as mode, pytest.warns(DispatchModeFallbackWarning, match="TorchDispatchMode"):
+    with MatmulDtypes() as mode, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         model(x)
         model(x)
+    said = [w for w in caught if issubclass(w.category, DispatchModeFallbackWarning)]
+    assert len(said) == 1 and "TorchDispatchMode" in str(said[0].message)   # once per model
     assert mode.seen and set(mode.seen) == {torch.bfloat16}, mode.seen
 
 
@@ -265,3 +271,15 @@ def test_lora_adapters_added_after_converting_run_low_and_train():
     assert len(lora) == 2 * 2 * 2 and set(lora) == {"low"}, linears   # A and B, q and v, 2 layers
     grads = [p.grad for name, p in adapted.named_parameters() if "lora_B" in name]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_weight_cache_can_be_turned_off_and_parts_refuse_a_compiled_model():
+    model, x = CustomGeluMlp(), torch.randn(3, 16)
+    convert(model, weight_cache=False)
+    with torch.no_grad():
+        model(x)
+    assert amp_compiler.frozen_bytes(model) == 0
+    with pytest.raises(ValueError, match="compiled by amp_compiler"):
+        amp_compiler.convert(model, "O1", inplace=True)   # parts on top would leave the compilation behind restore
+    with pytest.raises(ValueError, match="weight_cache is an option of capture='dynamo'"):
+        amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, weight_cache=False)

@@ -70,7 +70,7 @@ def test_amp_trainer_on_dynamo_trains_like_fp32_with_every_linear_low_and_saves_
     trainer.evaluate()
     trainer.save_model(tmp_path / "saved")
     loaded = BertForSequenceClassification.from_pretrained(tmp_path / "saved")
-    assert type(loaded.forward).__name__ == "method"
+    assert loaded.state_dict().keys() == model.state_dict().keys()   # nothing of the conversion was saved
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weights(model).items())
 
 

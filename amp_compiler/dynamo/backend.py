@@ -43,15 +43,18 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
     model_ref = weakref.ref(model) if model is not None else lambda: None
 
     def convert_graph(gm: fx.GraphModule, example_inputs) -> Callable:
-        model = model_ref()
         reason = getattr(gm, "compile_subgraph_reason", None)   # dynamo's: why the graph ended where it did
         as_captured = _graph_copy(gm)   # the passes edit gm itself: what runs if they fail
         try:
-            converted = convert_captured_graph(gm, example_inputs, config, model)
+            return _converted(gm, example_inputs, reason)
         except Exception as error:  # noqa: BLE001 - any failure of the passes: the graph still runs, said once
             fallback = under_autocast(as_captured, config, example_inputs, error)
             convert_graph.fallbacks.append(fallback.reason)
             return fallback
+
+    def _converted(gm: fx.GraphModule, example_inputs, reason) -> Callable:
+        model = model_ref()
+        converted = convert_captured_graph(gm, example_inputs, config, model)
         compile_id = str(gm.meta.get("dynamo_compile_id", ""))
         converted.meta["amp"]["dynamo"] = {"compile_id": compile_id,
                                            "graph_break": _where(reason) if getattr(reason, "graph_break", False)
@@ -59,13 +62,14 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
         _warn_at_the_recompile_limit(compile_id, model)
         if convert_graph.caches_weights:
             cache_weight_casts(converted, convert_graph.weight_cache)
-        if model is not None:
-            _GRAPHS.setdefault(model, []).append(converted)
-        convert_graph.graphs.append(converted)
+        compiled = converted
         if backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
-            return compile_fx(converted, list(example_inputs))
-        return converted
+            compiled = compile_fx(converted, list(example_inputs))
+        if model is not None:   # listed once nothing can fail: a graph that fell back is no converted graph
+            _GRAPHS.setdefault(model, []).append(converted)
+        convert_graph.graphs.append(converted)
+        return compiled
 
     convert_graph.graphs = []   # every graph this backend converted (graphs(model) when the model is known)
     convert_graph.fallbacks = []   # why each graph the passes failed on runs under autocast instead
@@ -165,11 +169,16 @@ class under_autocast:
 
 
 def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """The graph as dynamo captured it, on the same root (node metadata shared, not copied)."""
+    """The graph as dynamo captured it, on the same root (node metadata shared, not copied); the bodies it calls
+    (checkpoint's, which the passes convert in place) copied too."""
     graph = fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
-    return fx.GraphModule(gm, graph)
+    copied = fx.GraphModule(gm, graph)
+    for node in copied.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(copied, node.target, None), fx.GraphModule):
+            setattr(copied, node.target, _graph_copy(getattr(copied, node.target)))
+    return copied
 
 
 def _modules_of(gm: fx.GraphModule) -> list[str]:

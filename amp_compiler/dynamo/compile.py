@@ -88,17 +88,24 @@ def _first_calls(forward: CompiledForward, args: tuple, kwargs: dict):
     """A call before any graph exists. If dynamo makes none, it skipped the model's frame (a graph break it cannot
     resume from, in a loop say): the call ran as written, fp32. Its result stands (correct, unconverted); from then
     on the model runs under torch.autocast with the level's dtype, said once with dynamo's reason."""
-    unimplemented = torch._dynamo.utils.counters["unimplemented"]
-    before = set(unimplemented)
+    unimplemented = torch._dynamo.utils.counters["unimplemented"]   # never reset: compare counts, not keys
+    before = dict(unimplemented)
     out = _compiled_call(forward, args, kwargs)
-    if not forward.converter.graphs and not forward.converter.fallbacks and \
+    if not forward.converter.graphs and not forward.converter.fallbacks and _dynamo_would_compile() and \
             any(True for _ in forward.model.parameters()):
-        reasons = [reason for reason in unimplemented if reason not in before]
+        reasons = [reason for reason, count in unimplemented.items() if count > before.get(reason, 0)]
         why = reasons[-1].strip().splitlines()[0] if reasons else "no tensor op it could capture"
         forward.not_captured = (f"TorchDynamo captured no graph of {type(forward.model).__name__} ({why}): it ran as "
                                 f"written; its calls run under torch.autocast({forward.config.low_dtype_name})")
         warnings.warn(f"amp_compiler: {forward.not_captured}", NotCapturedWarning, stacklevel=3)
     return out
+
+
+def _dynamo_would_compile() -> bool:
+    """False under torch.compiler.set_stance("force_eager") (or another stance that runs frames as written): no
+    graph then says nothing about the model."""
+    stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
+    return stance == "default"
 
 
 class NotCapturedWarning(UserWarning):
@@ -109,7 +116,7 @@ def _compiled_call(forward: CompiledForward, args: tuple, kwargs: dict):
     config = torch._dynamo.config
     saved = {name: getattr(config, name) for name in CAPTURE_SETTINGS}
     for name, value in CAPTURE_SETTINGS.items():
-        setattr(config, name, max(value, saved[name]) if name == "recompile_limit" else value)
+        setattr(config, name, max(value, saved[name]) if name == _LIMIT else value)
     try:
         return forward.compiled(forward.model, forward.own_forward, *args, **kwargs)
     finally:
@@ -119,11 +126,12 @@ def _compiled_call(forward: CompiledForward, args: tuple, kwargs: dict):
 
 # dynamo settings for this model's frames only, set around its calls (10 us): where dynamo's defaults skip code, it
 # runs as written, in fp32, with a log line at most (measured on the conformance models)
-CAPTURE_SETTINGS = {
-    "recompile_limit": RECOMPILE_LIMIT,         # default 8 graphs per frame (the backend warns at the last one)
+_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"  # < 2.7
+CAPTURE_SETTINGS = {name: value for name, value in {
+    _LIMIT: RECOMPILE_LIMIT,                    # default 8 graphs per frame (the backend warns at the last one)
     "allow_rnn": True,                          # default: a graph break at nn.LSTM/GRU/RNN, which ran fp32
     "capture_dynamic_output_shape_ops": True,   # default: nonzero/index by mask skips a frame with a loop (an MoE)
-}
+}.items() if hasattr(torch._dynamo.config, name)}
 
 
 class DispatchModeFallbackWarning(UserWarning):

@@ -16,9 +16,9 @@ NOT_CALLED = "not called yet: dynamo captures graphs on the model's calls, so th
 def explain_compiled(model, state) -> PrecisionReport:
     """One report of every graph of a compiled model (or of its compiled children: their paths prefixed)."""
     config = state.config
-    rows, islands, casts, warnings, notes, fallbacks = [], [], 0, [], [], []
+    rows, islands, casts, warnings, notes = [], [], 0, [], []
     made = []
-    for index, (prefix, gm, forward) in enumerate(compiled_graphs(model), 1):
+    for index, (prefix, gm, _) in enumerate(compiled_graphs(model), 1):
         report = explain(gm)
         rows += [{**row, "module": _joined(prefix, row["module"])} for row in report.rows]
         islands += [{**island, "module": _joined(prefix, island["module"])} for island in report.islands]
@@ -26,9 +26,7 @@ def explain_compiled(model, state) -> PrecisionReport:
         warnings += report.warnings
         notes.append(graph_line(index, gm, prefix))
         made.append(gm)
-        fallbacks += forward.converter.fallbacks
-    if isinstance(state, CompiledForward):
-        fallbacks += state.converter.fallbacks
+    fallbacks = [reason for forward in _forwards(model, state) for reason in forward.converter.fallbacks]
     notes += [f"fallback: {reason}" for reason in dict.fromkeys(fallbacks)]
     notes += [f"fallback: {forward.not_captured}" for forward in _forwards(model, state) if forward.not_captured]
     recompiles = sum(1 for gm in made if not _compile_id(gm).endswith("/0"))

@@ -6,7 +6,8 @@ used while the parameter is the same object with the same version counter, stora
 afresh whenever autograd needs the weight (grad enabled and requires_grad: training, and each micro-batch of
 gradient accumulation), and the first such call drops the copies (a step follows: they would be stale). In
 inference (no_grad, inference_mode, or a parameter that needs no gradient, as a LoRA base model's) it is on by
-default. On a CPU with oneDNN in bf16 a linear's copy is kept packed in oneDNN's layout, the only copy of it:
+default. Its blind spot is freeze's: a write through `.data` that changes few values (no version bump) is seen only
+through the 16 sampled values. On a CPU with oneDNN in bf16 a linear's copy is kept packed in oneDNN's layout, the only copy of it:
 the bytes of autocast's cached casts, and a one-row linear faster than fp32's.
 """
 from __future__ import annotations

@@ -265,6 +265,10 @@ def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None
                      freeze: bool = False) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() needs a torch.nn.Module, got {type(model).__name__}")
+    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
+    if compiled_state(model) is not None:
+        raise ValueError(f"{type(model).__name__} is compiled by amp_compiler (capture='dynamo' or "
+                         "amp_compiler.compile): call amp_compiler.restore(model) first to convert it with parts")
     if ATTRIBUTE in model.__dict__:
         raise ValueError(f"{type(model).__name__} is already converted in place (level "
                          f"{model.__dict__[ATTRIBUTE].config.level}); call amp_compiler.restore(model) first to "
