@@ -27,6 +27,7 @@ sys.path[:0] = [ROOT]
 
 import amp_compiler  # noqa: E402
 import amp_compiler.models.torchvision_ops  # noqa: E402,F401  (transformers imports torchvision's C ops)
+from bench_decode import markdown  # noqa: E402  (this folder is the script's first path entry)
 
 LOW = torch.bfloat16
 
@@ -75,14 +76,6 @@ def decode(variant, prompt, new: int) -> tuple[float, float]:
             ids = logits[:, -1].argmax(-1, keepdim=True)
             times.append(time.perf_counter() - start)
     return times[0], statistics.mean(times[1:])
-
-
-def markdown(title: str, header: list, rows: list) -> None:
-    print(f"\n{title}\n")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---:" if i else "---" for i in range(len(header))) + "|")
-    for row in rows:
-        print("| " + " | ".join(str(x) for x in row) + " |")
 
 
 def bench_train(args) -> None:

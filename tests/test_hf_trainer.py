@@ -63,10 +63,11 @@ def weights(model) -> dict:
 
 
 class RecordStep(TrainerCallback):
-    """Records the ATen calls of one optimizer step: its micro-batches' forward and backward."""
+    """Records the ATen calls of one optimizer step: its micro-batches' forward and backward (with `recorder`, a
+    context manager with input_dtypes(); an AtenDtypeRecorder by default)."""
 
-    def __init__(self, step: int):
-        self.step, self.recorder = step, AtenDtypeRecorder()
+    def __init__(self, step: int, recorder=None):
+        self.step, self.recorder = step, recorder if recorder is not None else AtenDtypeRecorder()
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == self.step:

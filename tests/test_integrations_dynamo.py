@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate import Accelerator
-from transformers import BertForSequenceClassification, Trainer, TrainerCallback
+from transformers import BertForSequenceClassification, Trainer
 
 import amp_compiler
 import amp_compiler.accelerate as amp_accelerate
@@ -14,7 +14,8 @@ from amp_compiler.huggingface import AmpTrainer
 from amp_compiler.passes.node_facts import facts
 from amp_testing import ProfiledDtypes
 from test_accelerate import batches, sgd, train_fp32
-from test_hf_trainer import FP32_OPS, arguments, examples, fresh_accelerator_state, tiny_bert, weights  # noqa: F401
+from test_hf_trainer import (FP32_OPS, RecordStep, arguments, examples, fresh_accelerator_state,  # noqa: F401
+                             tiny_bert, weights)
 
 pytestmark = pytest.mark.real_models
 
@@ -40,24 +41,11 @@ def close_to(ours: dict, theirs: dict, start: dict) -> None:
     assert update.norm() > 0.1 and difference.norm() < 0.05 * update.norm(), (difference.norm(), update.norm())
 
 
-class ProfileStep(TrainerCallback):
-    def __init__(self, step: int):
-        self.step, self.recorder = step, ProfiledDtypes()
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            self.recorder.__enter__()
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            self.recorder.__exit__(None, None, None)
-
-
 def test_amp_trainer_on_dynamo_trains_like_fp32_with_every_linear_low_and_saves_a_plain_model(tmp_path):
     data = examples()
     reference = Trainer(model=tiny_bert(), args=arguments(tmp_path / "fp32"), train_dataset=data)
     reference.train()
-    model, record = tiny_bert(), ProfileStep(step=2)
+    model, record = tiny_bert(), RecordStep(step=2, recorder=ProfiledDtypes())
     start = weights(model)
     trainer = AmpTrainer(model=model, args=arguments(tmp_path / "bf16"), train_dataset=data, eval_dataset=data[:8],
                          callbacks=[record], amp_dtype=torch.bfloat16, amp_options=DYNAMO)
