@@ -1,21 +1,18 @@
-"""TorchDynamo as a capture front end (opt-in for now): amp_compiler.compile(model, level).
+"""TorchDynamo as a capture front end: convert(model, level, inplace=True, capture="dynamo") and amp_compiler.compile.
 
-What it is: a torch.compile backend (backend.amp_backend) that runs the project's fx pipeline on every graph dynamo
-captures (graph breaks, guards, recompiles and dynamic shapes are dynamo's), then runs the rewritten graph as fx
-code (backend="eager") or hands it to inductor (backend="inductor"). Each graph keeps its decisions in
-gm.meta["amp"] (explain(graph) works); graphs(model) lists them. Module paths come from dynamo's nn_module_stack and
-weight inputs are named by the user's parameters (graph_inputs.py says what that relies on).
+    backend.py       amp_backend: the fx pipeline on every graph dynamo captures, fallbacks to autocast
+    compile.py       CompiledForward, the model's instance forward: settings around its calls, restore
+    graph_inputs.py  dynamo's placeholders and module paths in the user's terms
+    bodies.py        torch.utils.checkpoint's bodies converted as graphs of their own, still recomputed
+    weight_cache.py  each parameter's low copy made once while it is unchanged (inference, frozen bases)
+    cache_state.py   a KV cache's tensors are state: kept in the low dtype, as under autocast
+    report.py        explain(model): every graph, graph breaks, recompiles and fallbacks in one report
 
-What it is not yet: convert(inplace=True) and the integrations still use in_place/ (they are to move onto it);
-there is no weight-cast cache, so every weight is cast on every call (decode is slower than autocast's cached
-casts); explain(model) does not merge the graphs into one report.
-
-Measured (torch 2.13 CPU, tiny HF Llama hidden 64 x 2 layers, bf16, tests/test_dynamo_capture.py):
-- forward (2 x 12 tokens): 1 graph of 223 nodes, no graph break, converted in 0.03 s (the first call, dynamo's
-  tracing included, 1.2 s); every matmul low; error against fp32 3.4e-3, autocast's 2.7e-3 (1.26x); backward works;
-- greedy generate() with a DynamicCache, 8 new tokens: 3 graphs (prefill, first decode, dynamic-shape decode),
-  0.025 s of conversion each; 51 of 51 matmul/attention nodes low (sdpa 6 of 6); tokens equal autocast's;
-- tests/test_dynamo_capture.py: 8 tests, 21-32 s on 2 busy cores (3-13 s of it inductor's C++ build for one MLP).
+Graph breaks, guards, recompiles and dynamic shapes are dynamo's. Where dynamo or the passes cannot give a graph,
+the model still runs, under torch.autocast with the level's dtype, and says so (warnings and explain). Not yet on
+this capture (capture="parts" takes them): calibration_data, dynamic_shapes, fp8 delayed scaling, Apex's
+initialize, FSDP2, compare/verify; checkpoint_sequential recomputes as written. Figures: README, "On TorchDynamo's
+capture".
 """
 from amp_compiler.dynamo.backend import amp_backend, convert_captured_graph, graphs
 from amp_compiler.dynamo.compile import compile  # noqa: A004
