@@ -253,7 +253,19 @@ def test_render_draws_every_graph_and_compare_verify_refuse_by_name(tmp_path):
     assert "first" in text and "second" in text   # both graphs' modules
     with pytest.raises(ValueError, match="compare\\(\\) does not take a model on TorchDynamo's capture"):
         amp_compiler.compare(DataDependent(), model, (x,))
-    with pytest.raises(ValueError, match="verify\\(\\) does not take a model on TorchDynamo's capture"):
+    amp_compiler.verify(model, x)   # every graph's dtypes as recorded
+
+
+def test_verify_names_the_graph_whose_dtype_is_not_the_recorded_one():
+    from amp_compiler.insight.verify import DtypeMismatch
+    model, x = DataDependent(), torch.randn(2, 8)
+    convert(model)
+    with torch.no_grad():   # verify calls under no_grad: these graphs (grad mode is one of dynamo's guards)
+        model(x)
+    gm = graphs(model)[-1]
+    linear = next(n for n in gm.graph.nodes if facts(n).get("op") == "linear")
+    facts(linear)["dtype"] = torch.float32   # the record says fp32; the graph computes bf16
+    with pytest.raises(DtypeMismatch, match=f"graph {len(graphs(model))} .*{linear.name}"):
         amp_compiler.verify(model, x)
 
 

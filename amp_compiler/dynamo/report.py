@@ -66,3 +66,39 @@ def _forwards(model, state) -> list:
         return [state]
     return [getattr(model, name).__dict__.get("_amp_compiled") for name in state.children
             if isinstance(getattr(model, name).__dict__.get("_amp_compiled"), CompiledForward)]
+
+
+def verify_compiled(model, inputs: tuple, kwargs: dict) -> None:
+    """amp_compiler.verify(model, *inputs) on a model on dynamo's capture: one call captures what the inputs need,
+    a second checks every graph (its nodes' dtypes against the recorded ones) on the tensors it receives. A
+    mismatch raises after that call, naming the graph. Graphs run by inductor are not fx code: refused."""
+    import torch
+
+    from amp_compiler.dynamo.compile import compiled_state
+    from amp_compiler.insight.verify import DtypeMismatch, verify
+    forwards = _forwards(model, compiled_state(model))
+    if any(forward.options["backend"] != "eager" for forward in forwards):
+        raise ValueError("verify() checks graphs run as fx code; this model's graphs run as inductor kernels: "
+                         "verify a convert(model, inplace=True, capture='dynamo') copy instead")
+    failures = []
+
+    def check(gm, args):   # raised after the call, not inside dynamo's
+        if not failures:
+            try:
+                verify(gm, *args)
+            except (DtypeMismatch, ValueError) as error:
+                failures.append((gm, error))
+
+    with torch.no_grad():
+        model(*inputs, **kwargs)
+        made = compiled_graphs(model)
+        handles = [gm.register_forward_pre_hook(lambda gm, args: check(gm, args)) for _, gm, _ in made]
+        try:
+            model(*inputs, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+    if failures:
+        gm, error = failures[0]
+        index = next(i for i, (_, made_gm, _) in enumerate(made, 1) if made_gm is gm)
+        raise type(error)(f"{graph_line(index, gm)}: {error}") from error

@@ -376,9 +376,9 @@ class _eval_mode:
 
 
 def refuse_compiled(model, tool: str) -> None:
-    """compare/verify replay a graph on the inputs it receives; a model on dynamo's capture is not taken yet."""
+    """compare replays a graph in fp32 on the inputs it receives; a model on dynamo's capture is not taken yet."""
     from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
     if compiled_state(model) is not None:
         raise ValueError(f"{tool}() does not take a model on TorchDynamo's capture (capture='dynamo', "
-                         f"amp_compiler.compile) yet: amp_compiler.explain(model) and render(model) report its graphs; "
+                         f"amp_compiler.compile) yet: explain(model), render(model) and verify(model) take it; "
                          f"for {tool}(), convert(model) (a GraphModule) or capture='parts'")

@@ -42,8 +42,11 @@ def verify(gm: fx.GraphModule, *inputs, **kwargs) -> None:
         from amp_compiler.in_place.report import verify_in_place
         verify_in_place(gm, inputs, kwargs)
         return
-    from amp_compiler.insight.compare import refuse_compiled
-    refuse_compiled(gm, "verify")
+    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
+    if compiled_state(gm) is not None:   # capture="dynamo": every graph on what it receives
+        from amp_compiler.dynamo.report import verify_compiled
+        verify_compiled(gm, inputs, kwargs)
+        return
     if "amp" not in getattr(gm, "meta", {}):
         raise ValueError("verify() needs a GraphModule returned by amp_compiler.convert()")
     if "children" in gm.meta["amp"]:   # the model's own forward runs as written: check each converted child
