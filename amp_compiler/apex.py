@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from amp_compiler.convert import convert
+from amp_compiler.dynamo.compile import compiled_state
 from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.train.low_weights import fused_copy_
 from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
@@ -79,11 +80,12 @@ _state: AmpState | None = None
 def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
                patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None,
                cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None,
-               max_loss_scale=APEX_MAX_SCALE):
+               max_loss_scale=APEX_MAX_SCALE, capture="parts"):
     """Apex's amp.initialize: convert the model(s) in place and prepare the optimizer(s) for `opt_level`.
 
     Returns the same objects, as Apex: lists where lists were given. Call it once, after building the models
-    and optimizers and before wrapping them in DistributedDataParallel.
+    and optimizers and before wrapping them in DistributedDataParallel. `capture` (not Apex's): convert()'s,
+    "parts" or "dynamo" (TorchDynamo's capture; O2/O3's stored low weights are what its graphs then read).
     """
     global _state
     if not enabled:
@@ -95,7 +97,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     _check_fresh(model_list, optimizer_list)   # before anything changes
     state = AmpState(properties, verbosity=verbosity)
     state.scalers = [_loss_scaler(properties, min_loss_scale, max_loss_scale) for _ in range(_count(num_losses))]
-    state.masters = _convert_and_prepare(model_list, optimizer_list, properties)
+    state.masters = _convert_and_prepare(model_list, optimizer_list, properties, capture)
     _state = state
     state.say(f"initialize: {_summary(properties, state.scalers[0])}")
     return _returned(models, model_list, optimizers, optimizer_list)
@@ -211,7 +213,8 @@ def _returned(models, model_list, optimizers, optimizer_list):
 
 def _check_fresh(models: list, optimizers: list) -> None:
     again = any(hasattr(optimizer, "_amp_stash") for optimizer in optimizers) or any(
-        getattr(in_place_conversion(model), "weights_cast_low", False) for model in models)
+        getattr(in_place_conversion(model), "weights_cast_low", False) or compiled_state(model) is not None
+        for model in models)
     if again:   # before the dtype check: its advice (model.float()) would leave the first masters stale
         raise RuntimeError("a model or optimizer went through amp_compiler.initialize already: call initialize "
                            "once, with every model and optimizer (lists)")
@@ -222,12 +225,12 @@ def _check_fresh(models: list, optimizers: list) -> None:
                              "an fp32 model (O2/O3 cast the weights themselves). Call model.float() first.")
 
 
-def _convert_and_prepare(models: list, optimizers: list, properties: Properties) -> dict:
+def _convert_and_prepare(models: list, optimizers: list, properties: Properties, capture: str = "parts") -> dict:
     """Convert the models in place, give the optimizers fp32 masters of the weights O2 casts, cast them.
     Returns {low parameter: its master}, which the models' checkpoint hooks read."""
     to_cast = [p for model in models for p in _weights_to_cast(model, properties)]
     for model in models:
-        _convert(model, properties)
+        _convert(model, properties, capture)
     # the masters start from the fp32 weights themselves (Apex's from their fp16 rounding)
     masters = {p: p.detach().clone() for p in to_cast
                if isinstance(p, nn.Parameter) and p.requires_grad and properties.master_weights}
@@ -243,14 +246,15 @@ def _convert_and_prepare(models: list, optimizers: list, properties: Properties)
     return masters
 
 
-def _convert(model: nn.Module, properties: Properties) -> None:
+def _convert(model: nn.Module, properties: Properties, capture: str = "parts") -> None:
     if properties.opt_level == "O0":
         return   # fp32 as written
     keep_norms = properties.keep_batchnorm_fp32
     overrides = {} if keep_norms is None else {"keep_batchnorm_fp32": keep_norms}
-    convert(model, properties.opt_level, inplace=True, dtype=properties.low_dtype, **overrides)
-    if properties.cast_weights:
+    convert(model, properties.opt_level, inplace=True, dtype=properties.low_dtype, capture=capture, **overrides)
+    if properties.cast_weights and capture == "parts":
         in_place_conversion(model).weights_cast_low = True   # captures see them fp32
+    # on dynamo the graphs are captured on calls, after _cast: they read the low weights as the model holds them
 
 
 def _weights_to_cast(model: nn.Module, properties: Properties) -> list[torch.Tensor]:

@@ -157,14 +157,16 @@ def reference_o2_step(weight, bias, momentum, x, y, low, scale, lr=0.5, beta=0.5
     return (*updated, scale)
 
 
+@pytest.mark.parametrize("capture", ["parts", "dynamo"])
 @pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
-def test_o2_trains_like_the_hand_written_reference(low):
+def test_o2_trains_like_the_hand_written_reference(low, capture):
     torch.manual_seed(0)
+    torch._dynamo.reset()
     model = nn.Linear(3, 2)
     weight, bias = model.weight.detach().clone(), model.bias.detach().clone()
     momentum = [torch.empty(0), torch.empty(0)]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
-    amp_compiler.initialize(model, optimizer, opt_level="O2", cast_model_type=low, verbosity=0)
+    amp_compiler.initialize(model, optimizer, opt_level="O2", cast_model_type=low, verbosity=0, capture=capture)
     scale = scales()[0]
     assert scale == (2.0 ** 16 if low == torch.float16 else 1.0)   # bf16: fp32's range, no scaling
     skipped = 0
@@ -183,6 +185,9 @@ def test_o2_trains_like_the_hand_written_reference(low):
         assert scales() == [scale]
     # fp16: 2**16 overflows these gradients: the first steps calibrate the scale, then steps are taken
     assert 0 < skipped < 6 if low == torch.float16 else skipped == 0
+    if capture == "dynamo":   # the graphs dynamo captured after the cast read the low weights themselves
+        from amp_compiler.dynamo import graphs
+        assert graphs(model) and "torch.dynamo" in str(amp_compiler.explain(model))
 
 
 def graphs_of(model):
@@ -212,12 +217,14 @@ def test_o2_graph_is_convert_s_and_its_weight_casts_are_no_ops(model_class):
 
 
 # -- skipped steps ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("capture", ["parts", "dynamo"])
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_inf_in_a_gradient_skips_the_step_and_halves_the_scale(level):
+def test_inf_in_a_gradient_skips_the_step_and_halves_the_scale(level, capture):
     torch.manual_seed(0)
+    torch._dynamo.reset()
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    amp_compiler.initialize(model, optimizer, opt_level=level, verbosity=0)   # fp16, dynamic from 2**16
+    amp_compiler.initialize(model, optimizer, opt_level=level, verbosity=0, capture=capture)   # fp16, from 2**16
     x = torch.randn(4, 3)
 
     def step(inject):
