@@ -86,7 +86,7 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
         if not inplace:
             raise ValueError("capture='dynamo' converts the model in place: pass inplace=True (convert() without "
                              "it returns a GraphModule from fx or torch.export)")
-        return _convert_on_dynamo(model, level, example_inputs, dynamic_shapes, calibration_data, overrides,
+        return _convert_on_dynamo(model, config, level, example_inputs, dynamic_shapes, calibration_data, overrides,
                                   weight_cache=True if weight_cache is None else weight_cache)
     with collector_paused():
         return _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace,
@@ -96,32 +96,20 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
 CAPTURES = ("parts", "dynamo")
 
 
-def _convert_on_dynamo(model, level, example_inputs, dynamic_shapes, calibration_data, overrides, *,
+def _convert_on_dynamo(model, config, level, example_inputs, dynamic_shapes, calibration_data, overrides, *,
                        weight_cache: bool = True) -> nn.Module:
     from amp_compiler.dynamo.compile import compile as compile_on_dynamo   # the dynamo package imports this module
-    from amp_compiler.frontend.capture import refuse_low_parameters
-    from amp_compiler.in_place.conversion import in_place_conversion, undone_effects
+    from amp_compiler.in_place.conversion import capture_now, refuse_in_place_request
     not_yet = [name for name, given in (("calibration_data", calibration_data is not None),
-                                        ("dynamic_shapes", dynamic_shapes is not None)) if given]
-    fp8 = make_config(level, **overrides).fp8
-    if fp8 is not None and fp8.scaling == "delayed":
-        not_yet.append("fp8_scaling='delayed'")
+                                        ("dynamic_shapes", dynamic_shapes is not None),
+                                        ("fp8_scaling='delayed'", config.fp8 is not None
+                                         and config.fp8.scaling == "delayed")) if given]
     if not_yet:
         raise ValueError(f"capture='dynamo' does not take {', '.join(not_yet)} yet: use capture='parts' "
                          "(the default) for it")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"convert() needs a torch.nn.Module, got {type(model).__name__}")
-    if in_place_conversion(model) is not None:
-        raise ValueError(f"{type(model).__name__} is already converted in place; call amp_compiler.restore(model) "
-                         "first to convert it again with other options")
-    if example_inputs is not None and not isinstance(example_inputs, tuple):
-        raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
-                        f"got {type(example_inputs).__name__}")
-    refuse_low_parameters(model)
+    refuse_in_place_request(model, example_inputs)
     compile_on_dynamo(model, level, backend="eager", weight_cache=weight_cache, **overrides)
-    if example_inputs is not None:   # capture now: one call with these inputs, its effects undone
-        with undone_effects(model), torch.no_grad():
-            model(*example_inputs)
+    capture_now(model, example_inputs)
     return model
 
 

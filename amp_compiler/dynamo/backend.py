@@ -7,6 +7,7 @@ is run, no module attribute is set (the list of graphs lives in a table keyed by
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 import weakref
@@ -151,21 +152,27 @@ class under_autocast:
     op lists decide (matmuls low, softmax, norms and losses fp32), so the graph is still mixed precision and runs."""
 
     def __init__(self, gm: fx.GraphModule, config: AmpConfig, example_inputs, error: Exception):
-        self.gm, self.dtype = gm, config.low_dtype if config.level != "O0" else None
+        self.gm, self.config = gm, config
         devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         self.device = "cuda" if "cuda" in devices else "cpu"
         modules = _modules_of(gm)
         where = f"the graph of {', '.join(modules[:3])}{' ...' if len(modules) > 3 else ''}" if modules \
             else "a graph"
+        dtype = config.low_dtype if config.level != "O0" else None
         self.reason = (f"{where} could not be converted ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
-                       f"it runs under torch.autocast({self.device}, {dtype_name(self.dtype)})")
+                       f"it runs under torch.autocast({self.device}, {dtype_name(dtype)})")
         warnings.warn(f"amp_compiler: {self.reason}", ConversionFallbackWarning, stacklevel=2)
 
     def __call__(self, *args):
-        if self.dtype is None:
+        with level_autocast(self.config, self.device):
             return self.gm(*args)
-        with torch.autocast(self.device, self.dtype):
-            return self.gm(*args)
+
+
+def level_autocast(config: AmpConfig, device: str):
+    """torch.autocast with the level's low dtype on `device`, what every fallback runs under (O0: nothing)."""
+    if config.level == "O0":
+        return contextlib.nullcontext()
+    return torch.autocast(device, config.low_dtype)
 
 
 def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -6,9 +6,9 @@ its own, so a checkpointed block runs mixed precision and is still recomputed in
 
 Dynamo captures a checkpointed call as this higher-order op: the op runs the body under checkpoint, so the body is
 where the matmuls are (the outer pipeline saw one unknown op and kept all of it fp32). The body is converted with
-the outer graph's rules, its inputs and outputs in the dtypes dynamo recorded (the op is never cast around: its
-inputs come as they are and the body's first nodes restore each float input's recorded dtype, a no-op when it
-already has it), so the outer graph's facts about the op stay true.
+the outer graph's rules, its inputs and outputs in the dtypes dynamo recorded: the outer graph reads and passes
+the op's values in those dtypes (op policy family "subgraph", fp32 at every level), and the body's first nodes
+restore each float input's recorded dtype anyway (a no-op when it has it), so the body is right whatever reaches it.
 """
 from __future__ import annotations
 

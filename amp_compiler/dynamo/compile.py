@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from amp_compiler.config import make_config, with_model_lists
-from amp_compiler.dynamo.backend import RECOMPILE_LIMIT, amp_backend, forget_graphs, graphs
+from amp_compiler.dynamo.backend import RECOMPILE_LIMIT, amp_backend, forget_graphs, graphs, level_autocast
 
 ATTRIBUTE = "_amp_compiled"   # on the user's model: its CompiledForward (also its `forward`)
 
@@ -150,9 +150,7 @@ def _under_autocast(forward: CompiledForward, args: tuple, kwargs: dict):
                       "model outside the mode for its converted graphs", DispatchModeFallbackWarning, stacklevel=3)
     device = next((t.device.type for t in forward.model.parameters()), "cpu")
     written = forward.own_forward or types.MethodType(type(forward.model).forward, forward.model)
-    if forward.config.level == "O0":
-        return written(*args, **kwargs)
-    with torch.autocast(device, forward.config.low_dtype):
+    with level_autocast(forward.config, device):
         return written(*args, **kwargs)
 
 

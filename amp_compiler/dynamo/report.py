@@ -7,7 +7,7 @@ their attention).
 """
 from __future__ import annotations
 
-from amp_compiler.dynamo.compile import CompiledForward, compiled_graphs
+from amp_compiler.dynamo.compile import CompiledForward, compiled_graphs, compiled_state
 from amp_compiler.insight.report import PrecisionReport, _totals, explain
 
 NOT_CALLED = "not called yet: dynamo captures graphs on the model's calls, so there is nothing to report"
@@ -64,8 +64,8 @@ def _forwards(model, state) -> list:
     """The CompiledForward(s) of a compiled model, or of its compiled children."""
     if isinstance(state, CompiledForward):
         return [state]
-    return [getattr(model, name).__dict__.get("_amp_compiled") for name in state.children
-            if isinstance(getattr(model, name).__dict__.get("_amp_compiled"), CompiledForward)]
+    children = [compiled_state(getattr(model, name)) for name in state.children]
+    return [child for child in children if isinstance(child, CompiledForward)]
 
 
 def verify_compiled(model, inputs: tuple, kwargs: dict) -> None:
@@ -74,7 +74,6 @@ def verify_compiled(model, inputs: tuple, kwargs: dict) -> None:
     mismatch raises after that call, naming the graph. Graphs run by inductor are not fx code: refused."""
     import torch
 
-    from amp_compiler.dynamo.compile import compiled_state
     from amp_compiler.insight.verify import DtypeMismatch, verify
     forwards = _forwards(model, compiled_state(model))
     if any(forward.options["backend"] != "eager" for forward in forwards):

@@ -4,7 +4,8 @@ Dynamo hands weights to the graph as inputs, so a plain converted graph casts ev
 step casts the whole model). The cache is the frozen graphs' (amp_compiler/frozen.py: FrozenWeights): a copy is
 used while the parameter is the same object with the same version counter, storage and sampled values; it is cast
 afresh whenever autograd needs the weight (grad enabled and requires_grad: training, and each micro-batch of
-gradient accumulation), and the first such call drops the copies (a step follows: they would be stale). In
+gradient accumulation), and such a call drops that weight's copies (a step follows: they would be stale; the
+copies of weights that need no gradient stay). In
 inference (no_grad, inference_mode, or a parameter that needs no gradient, as a LoRA base model's) it is on by
 default. Its blind spot is freeze's: a write through `.data` that changes few values (no version bump) is seen only
 through the 16 sampled values. On a CPU with oneDNN in bf16 a linear's copy is kept packed in oneDNN's layout, the only copy of it:

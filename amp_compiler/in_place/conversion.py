@@ -263,20 +263,12 @@ def _freeze_graph(gm, training: bool, conversion: InPlaceConversion) -> None:
 
 def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None, calibration_data=None,
                      freeze: bool = False) -> nn.Module:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"convert() needs a torch.nn.Module, got {type(model).__name__}")
-    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
-    if compiled_state(model) is not None:
-        raise ValueError(f"{type(model).__name__} is compiled by amp_compiler (capture='dynamo' or "
-                         "amp_compiler.compile): call amp_compiler.restore(model) first to convert it with parts")
-    if ATTRIBUTE in model.__dict__:
-        raise ValueError(f"{type(model).__name__} is already converted in place (level "
-                         f"{model.__dict__[ATTRIBUTE].config.level}); call amp_compiler.restore(model) first to "
-                         "convert it again with other options")
-    if example_inputs is not None and not isinstance(example_inputs, tuple):
-        raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
-                        f"got {type(example_inputs).__name__}")
-    refuse_low_parameters(model)
+    if isinstance(model, nn.Module):
+        from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
+        if compiled_state(model) is not None:
+            raise ValueError(f"{type(model).__name__} is compiled by amp_compiler (capture='dynamo' or "
+                             "amp_compiler.compile): call amp_compiler.restore(model) first to convert it with parts")
+    refuse_in_place_request(model, example_inputs)
     conversion = InPlaceConversion(model, config, freeze)
     if config.fp8 is not None and config.fp8.scaling == "delayed":
         conversion.fp8_histories = Fp8HistoryStore(model)
@@ -285,10 +277,31 @@ def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None
     model.__dict__[ATTRIBUTE] = conversion
     conversion.add_part(model, "")
     _add_encoder_part(conversion, model)
-    if example_inputs is not None:   # capture now: one call with these inputs, its effects undone
+    capture_now(model, example_inputs)
+    return model
+
+
+def refuse_in_place_request(model, example_inputs) -> None:
+    """What either capture refuses before converting in place: no module, a model parts converted already,
+    example_inputs that are not a tuple, low-precision parameters (refuse_low_parameters says why)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert() needs a torch.nn.Module, got {type(model).__name__}")
+    if ATTRIBUTE in model.__dict__:
+        raise ValueError(f"{type(model).__name__} is already converted in place (level "
+                         f"{model.__dict__[ATTRIBUTE].config.level}); call amp_compiler.restore(model) first to "
+                         "convert it again with other options")
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
+                        f"got {type(example_inputs).__name__}")
+    refuse_low_parameters(model)
+
+
+def capture_now(model: nn.Module, example_inputs: tuple | None) -> None:
+    """With example_inputs: one call at conversion, so the graphs exist before the first real one; its effects
+    (buffers, fp8 histories) undone."""
+    if example_inputs is not None:
         with undone_effects(model), torch.no_grad():
             model(*example_inputs)
-    return model
 
 
 def _add_encoder_part(conversion: InPlaceConversion, model: nn.Module) -> None:
