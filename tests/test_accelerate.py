@@ -64,14 +64,15 @@ def test_bf16_converts_in_place_and_trains_like_fp32():
     assert update.norm() > 0.1 and difference.norm() < 0.05 * update.norm()
 
 
-def test_fp16_skips_the_overflowing_step_says_where_and_checkpoints_the_scaler(tmp_path):
+@pytest.mark.parametrize("capture", ["parts", "dynamo"])
+def test_fp16_skips_the_overflowing_step_says_where_and_checkpoints_the_scaler(tmp_path, capture):
     data = batches()
     model = tiny_bert()
     fp32_model = copy.deepcopy(model)
     fp32_model(**data[0]).loss.backward()
     fp32_norm = torch.nn.utils.clip_grad_norm_(fp32_model.parameters(), float("inf"))
     accelerator = Accelerator(mixed_precision="no", cpu=True)
-    model, optimizer = amp_accelerate.prepare(accelerator, model, sgd(model), dtype=torch.float16)
+    model, optimizer = amp_accelerate.prepare(accelerator, model, sgd(model), dtype=torch.float16, capture=capture)
     scaler = accelerator.scaler
     assert isinstance(scaler, amp_compiler.GradScaler) and optimizer.scaler is scaler
 

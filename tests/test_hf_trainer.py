@@ -113,12 +113,14 @@ def test_bf16_trains_like_fp32_with_matmuls_low_and_saves_a_plain_model(tmp_path
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in ours.items())
 
 
-def test_fp16_skips_overflowing_steps_says_where_and_resumes_with_the_scalers_state(tmp_path, caplog):
+@pytest.mark.parametrize("capture", ["parts", "dynamo"])
+def test_fp16_skips_overflowing_steps_says_where_and_resumes_with_the_scalers_state(tmp_path, caplog, capture):
     data = examples()
     # the first step overflows fp16 at 2**40 and backs off to 2**10, where the next steps are clean
     model = tiny_bert()
     uninterrupted = AmpTrainer(model=model, args=arguments(tmp_path, save_strategy="steps", save_steps=2),
-                               train_dataset=data, amp_dtype=torch.float16, amp_scaler=_scaler())
+                               train_dataset=data, amp_dtype=torch.float16, amp_scaler=_scaler(),
+                               amp_options={"capture": capture})
     trainer_log = logging.getLogger("transformers.amp_compiler")   # transformers' loggers do not propagate
     trainer_log.addHandler(caplog.handler)
     try:

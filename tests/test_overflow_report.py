@@ -18,6 +18,7 @@ from amp_compiler.passes.node_facts import facts
 from amp_compiler.train import overflow_report
 from amp_compiler.train.grad_scaler import GradScaler
 from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager
+from amp_compiler.dynamo import graphs as dynamo_graphs
 from amp_compiler.train.overflow_report import OverflowReport, locate_overflow
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -422,12 +423,14 @@ def test_scalers_keep_the_last_overflow_report(make):
 
 @pytest.mark.slow
 @pytest.mark.real_models
-def test_a_tiny_llama_converted_in_place_names_its_mlp_projection():
+@pytest.mark.parametrize("capture", ["parts", "dynamo"])
+def test_a_tiny_llama_converted_in_place_names_its_mlp_projection(capture):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
-    model = amp_compiler.convert(LlamaForCausalLM(config).train(), "O1", dtype=torch.float16, inplace=True)
+    model = amp_compiler.convert(LlamaForCausalLM(config).train(), "O1", dtype=torch.float16, inplace=True,
+                                 capture=capture)
     ids = torch.randint(0, 128, (2, 8))
 
     def replay():
@@ -438,9 +441,57 @@ def test_a_tiny_llama_converted_in_place_names_its_mlp_projection():
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight.fill_(5000.0)
     report = locate_overflow(model, replay)
-    gm = graph_of(model, "")   # a call with labels is one graph (torch.export)
+    # a call with labels is one graph (torch.export's, or dynamo's)
+    (gm,) = [graph_of(model, "")] if capture == "parts" else dynamo_graphs(model)
     node = report.forward.pop("node")
-    assert report.forward == {"part": "", "module": "model.layers.1.mlp.up_proj", "op": "linear",
-                              "found": "node output", "value": "inf", "dtype": "float16"}
+    assert report.forward == {"part": "" if capture == "parts" else None, "module": "model.layers.1.mlp.up_proj",
+                              "op": "linear", "found": "node output", "value": "inf", "dtype": "float16"}
     assert node in {n.name for n in gm.graph.nodes}
     assert "model.layers.1.mlp.up_proj.weight" in report.parameters
+
+
+# --- on TorchDynamo's capture ---------------------------------------------------------------------------
+def on_dynamo(model, **options):
+    return amp_compiler.convert(model, "O1", dtype=torch.float16, inplace=True, capture="dynamo", **options)
+
+
+def dynamo_graph(model):
+    (gm,) = dynamo_graphs(model)
+    return gm
+
+
+def test_on_dynamo_forward_overflow_names_the_graph_node_and_its_module_path_without_a_recompile():
+    model = on_dynamo(planted_mlp())
+    x = inputs()
+    model(x).sum().backward()   # the step that overflowed: its graph is captured
+    model.zero_grad(set_to_none=True)
+    gm = dynamo_graph(model)
+    before = {n: p.grad for n, p in model.named_parameters()}
+    report = locate_overflow(model, replay_of(model, x))
+    assert report.forward == {"part": None, "module": "layers.1.up", "node": the_node(gm, "layers.1.up", "linear"),
+                              "op": "linear", "found": "node output", "value": "inf", "dtype": "float16"}
+    assert "layers.1.down.weight" in report.parameters and report.precision == "fp16"
+    assert dynamo_graphs(model) == [gm]   # the replay compiled nothing more: no hook inside the compiled forward
+    assert "forward" not in gm.__dict__ and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert {n: p.grad for n, p in model.named_parameters()} == before
+
+
+def test_on_dynamo_backward_only_overflow_names_the_node_nearest_the_loss():
+    torch.manual_seed(0)
+    model = on_dynamo(MLP())
+    x, scale = torch.randn(2, 8), 1e30
+    assert torch.isfinite(model(x)).all()
+    report = locate_overflow(model, replay_of(model, x, scale))
+    gm = dynamo_graph(model)
+    assert report.forward is None
+    assert report.backward["module"] == "head" and report.backward["node"] == the_node(gm, "head", "linear")
+    assert report.parameters
+
+
+def test_on_dynamo_a_non_finite_batch_is_named_as_the_model_input():
+    model = on_dynamo(MLP())
+    x = torch.full((2, 8), float("nan"))
+    model(torch.randn(2, 8))
+    report = locate_overflow(model, replay_of(model, x))
+    assert report.forward["module"] == "" and report.forward["found"] == "model input"
+

@@ -15,6 +15,10 @@ checked at their inputs and outputs by module hooks, a coarser granularity. The 
     backward    the first node in backward order (nearest the loss) whose gradient w.r.t. its output did
     parameters  the parameters whose .grad is non-finite after the replay
 
+On TorchDynamo's capture (convert(..., capture="dynamo"), amp_compiler.compile with backend="eager") the graphs are
+the ones dynamo calls: each is swapped the same way, and the modules inside a compiled forward get no hooks (a
+hook there would make dynamo compile again); code dynamo runs between graphs (a graph break) is not checked.
+
 The replay leaves the model as it found it: graphs' forwards, hooks, buffers (batch-norm statistics) and
 every parameter's .grad are restored; the caller restores the RNG state so dropout draws the same masks.
 Nothing in the checking raises: a failure there ends the checks and the report says what was found so far.
@@ -32,6 +36,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from amp_compiler.dynamo.compile import CompiledForward, compiled_state
+from amp_compiler.dynamo.backend import graphs as dynamo_graphs
 from amp_compiler.in_place.conversion import ATTRIBUTE, undone_effects   # undone_effects: buffers back
 from amp_compiler.insight.graph_decisions import module_of
 from amp_compiler.passes.node_facts import facts
@@ -210,9 +216,9 @@ class _CheckingInterpreter(fx.Interpreter):
     A node whose infinity is intended is not an overflow: a constant +-inf written into finite inputs
     (masked_fill(mask, -inf), full(-inf)) and what only such values reach while staying free of nan."""
 
-    def __init__(self, gm: fx.GraphModule, finder: _Finder, part: str | None):
+    def __init__(self, gm: fx.GraphModule, finder: _Finder, part: str | None, prefix: str = ""):
         super().__init__(gm)
-        self.finder, self.part = finder, part
+        self.finder, self.part, self.prefix = finder, part, prefix
         self.non_finite: dict = {}      # node -> "intended" | "overflow", for the nodes seen non-finite
 
     def run_node(self, node: fx.Node):
@@ -222,7 +228,7 @@ class _CheckingInterpreter(fx.Interpreter):
         return result
 
     def _check(self, node: fx.Node, result) -> None:
-        where = _node_place(node, self.part)
+        where = _node_place(node, self.part, self.prefix)
         kind, dtype = _non_finite(result)
         if kind is not None:
             intended = self._intended(node, kind)
@@ -240,7 +246,14 @@ class _CheckingInterpreter(fx.Interpreter):
 
 
 def _is_parameter_cast(node: fx.Node) -> bool:
-    return facts(node).get("op") == "cast" and all(n.op == "get_attr" for n in node.all_input_nodes)
+    return facts(node).get("op") == "cast" and all(n.op == "get_attr" or _is_parameter_input(n)
+                                                   for n in node.all_input_nodes)
+
+
+def _is_parameter_input(node: fx.Node) -> bool:
+    """A dynamo graph's placeholder that is a parameter of the model (dynamo passes weights as inputs)."""
+    inputs = node.graph.owning_module.meta.get("amp", {}).get("graph_inputs", {})
+    return node.op == "placeholder" and inputs.get(node.name, {}).get("kind") == "parameter"
 
 
 def _has_infinite_constant(node: fx.Node) -> bool:
@@ -248,10 +261,12 @@ def _has_infinite_constant(node: fx.Node) -> bool:
     return any(isinstance(value, float) and math.isinf(value) for value in leaves)
 
 
-def _node_place(node: fx.Node, part: str | None) -> dict:
+def _node_place(node: fx.Node, part: str | None, prefix: str = "") -> dict:
     module = module_of(node)
     if part is not None:   # a part's graph calls the part's module "inner"
         module = _join(part, module.removeprefix("inner").lstrip("."))
+    elif prefix:           # a compiled module's graph names modules from that module
+        module = _join(prefix, module)
     return {"part": part, "module": module, "node": node.name, "op": facts(node).get("op") or str(node.target),
             "found": "node output"}
 
@@ -260,7 +275,7 @@ def _join(path: str, child: str) -> str:
     return f"{path}.{child}" if path and child else path or child
 
 
-def _checking_forward(gm: fx.GraphModule, finder: _Finder, part: str | None, compiled):
+def _checking_forward(gm: fx.GraphModule, finder: _Finder, part: str | None, compiled, prefix: str = ""):
     signature = inspect.signature(compiled)
 
     def forward(*args, **kwargs):
@@ -269,7 +284,7 @@ def _checking_forward(gm: fx.GraphModule, finder: _Finder, part: str | None, com
         try:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            return _CheckingInterpreter(gm, finder, part).run(*bound.args)
+            return _CheckingInterpreter(gm, finder, part, prefix).run(*bound.args)
         except Exception as error:  # noqa: BLE001 - the compiled graph decides whether the call itself fails
             finder.note = finder.note or (f"the checks stopped early (graph of {part or MODEL!r} did not run node "
                                           f"by node: {type(error).__name__}: {_first_line(error)})")
@@ -293,7 +308,7 @@ class _ModuleChecks:
 
     def install(self) -> None:
         self.parts = _parts(self.model)   # anew: a capture during the replay adds graphs and parts
-        inside = [path for path, part in self.parts.items() if part.graphs]
+        inside = [path for path, part in self.parts.items() if part.graphs] + list(_compiled_modules(self.model))
         for path, module in self.modules.items():
             if any(path.startswith(f"{part}.") if part else path for part in inside):
                 continue
@@ -370,6 +385,9 @@ class _checks_installed:
             parts = _parts(self.model)
             for gm, part in _graphs(self.model, parts):
                 self._swap_forward(gm, part)
+            for prefix, compiled in _compiled_modules(self.model).items():
+                for gm in dynamo_graphs(compiled):
+                    self._swap_forward(gm, None, prefix)
             self.module_checks = _ModuleChecks(self.model, self.finder)
             self.stack.callback(self.module_checks.remove)
             self.module_checks.install()
@@ -393,10 +411,10 @@ class _checks_installed:
         conversion.capture = capture_and_check
         self.stack.callback(lambda: conversion.__dict__.pop("capture", None))
 
-    def _swap_forward(self, gm: fx.GraphModule, part: str | None) -> None:
+    def _swap_forward(self, gm: fx.GraphModule, part: str | None, prefix: str = "") -> None:
         had = "forward" in gm.__dict__
         own = gm.__dict__.get("forward")
-        gm.__dict__["forward"] = _checking_forward(gm, self.finder, part, gm.forward)
+        gm.__dict__["forward"] = _checking_forward(gm, self.finder, part, gm.forward, prefix)
 
         def put_back():
             if had:
@@ -418,6 +436,12 @@ def _conversions(model: nn.Module) -> list:
     LightningModule or a wrapper holding the converted model)."""
     return [(path, module.__dict__[ATTRIBUTE]) for path, module in model.named_modules()
             if ATTRIBUTE in module.__dict__]
+
+
+def _compiled_modules(model: nn.Module) -> dict:
+    """{module path: module} of the modules in `model` whose forward TorchDynamo compiles for amp_compiler."""
+    return {path: module for path, module in model.named_modules()
+            if isinstance(compiled_state(module), CompiledForward)}
 
 
 def _parts(model: nn.Module) -> dict:
@@ -463,8 +487,11 @@ def _precision_of(model: nn.Module) -> str:
 
 def _low_dtype_name(model: nn.Module) -> str:
     conversions = _conversions(model)
+    compiled = list(_compiled_modules(model).values())
     if conversions:
         name = str(conversions[0][1].config.low_dtype).removeprefix("torch.")
+    elif compiled:
+        name = str(compiled_state(compiled[0]).config.low_dtype).removeprefix("torch.")
     else:
         name = next((str(m.meta.get("amp", {}).get("dtype")) for m in model.modules()
                      if isinstance(m, fx.GraphModule) and "amp" in m.meta), "mixed-precision")
