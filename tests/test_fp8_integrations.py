@@ -21,6 +21,7 @@ import transformers
 from torch import nn
 
 import amp_compiler
+from amp_compiler.dynamo.compile import compiled_graphs
 from amp_compiler.in_place import in_place_conversion
 from amp_compiler.in_place.fp8_histories import STATE_NAME
 from amp_testing import one_torch_thread
@@ -29,8 +30,13 @@ SCALINGS = ("current", "delayed")
 FP8 = dict(fp8_min_dim=16)
 
 
-def fp8_options(scaling: str) -> dict:
-    return {**FP8, "fp8_scaling": scaling, **({"fp8_history": 4} if scaling == "delayed" else {})}
+def fp8_options(scaling: str, capture: str | None = None) -> dict:
+    return {**FP8, "fp8_scaling": scaling, **({"fp8_history": 4} if scaling == "delayed" else {}),
+            **({"capture": capture} if capture else {})}
+
+
+# fp8 delayed scaling keeps its amax histories on the parts capture only; current scaling runs on both
+SCALINGS_AND_CAPTURES = [("current", "parts"), ("delayed", "parts"), ("current", "dynamo")]
 WIDTH, CLASSES, BATCH = 32, 16, 8
 
 
@@ -91,10 +97,17 @@ def fp32_losses(data: list[dict]) -> list[float]:
 
 
 def fp8_matmuls(model: nn.Module) -> int:
-    """fp8 matmul nodes in the graphs the in-place conversion captured so far (the newest graph per part)."""
+    """fp8 matmul nodes in the graphs the in-place conversion captured so far (the newest graph per part, or
+    every graph dynamo made)."""
     conversion = in_place_conversion(model)
-    assert conversion is not None, "not converted in place"
-    return sum(1 for gm in conversion.graph_modules() for node in gm.graph.nodes
+    graph_modules = conversion.graph_modules() if conversion is not None else \
+        [gm for _, gm, _ in compiled_graphs(model)]
+    assert graph_modules, "not converted in place"
+    return sum(fp8_matmuls_in(gm) for gm in graph_modules)
+
+
+def fp8_matmuls_in(gm) -> int:
+    return sum(1 for node in gm.graph.nodes
                if getattr(node.target, "__name__", "") in ("fp8_scaled_linear", "fp8_scaled_matmul"))
 
 
@@ -120,11 +133,11 @@ def assert_trained_like_fp32(losses: list[float], reference: list[float]) -> Non
 
 
 # -- 1. in place -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_in_place_keeps_the_object_and_trains_in_fp8(scaling):
+@pytest.mark.parametrize("scaling, capture", [("current", "parts"), ("delayed", "parts"), ("current", "dynamo")])
+def test_in_place_keeps_the_object_and_trains_in_fp8(scaling, capture):
     model = Mlp()
     signature = inspect.signature(model.forward)
-    assert amp_compiler.convert(model, "fp8", inplace=True, fp8_scaling=scaling, **FP8) is model
+    assert amp_compiler.convert(model, "fp8", inplace=True, fp8_scaling=scaling, capture=capture, **FP8) is model
     assert type(model) is Mlp and inspect.signature(model.forward) == signature
     data = epochs()
     losses = train(model, data, torch.optim.SGD(model.parameters(), lr=0.5))
@@ -318,9 +331,9 @@ def generate(model, along=None):
 
 
 @pytest.mark.real_models
-@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("scaling, capture", [("current", "parts"), ("delayed", "parts"), ("current", "dynamo")])
 @pytest.mark.parametrize("build, lowered", [(_llama, 15), (_gpt2, 9)], ids=["llama", "gpt2"])
-def test_generate_at_fp8_keeps_the_model_and_its_logits_are_within_fp8s_error(build, lowered, scaling):
+def test_generate_at_fp8_keeps_the_model_and_its_logits_are_within_fp8s_error(build, lowered, scaling, capture):
     """Along the fp32 model's tokens (free-running greedy tokens of a random-init model diverge at the first
     near tie), per-step logits within 0.1 of the logit scale (measured 0.03-0.07 of it; O1 bf16: 0.005)."""
     torch.manual_seed(0)
@@ -328,14 +341,18 @@ def test_generate_at_fp8_keeps_the_model_and_its_logits_are_within_fp8s_error(bu
     model = build().eval()
     model.load_state_dict(fp32_model.state_dict())
     cls = type(model)
-    amp_compiler.convert(model, "fp8", inplace=True, fp8_scaling=scaling, **FP8)
+    amp_compiler.convert(model, "fp8", inplace=True, fp8_scaling=scaling, capture=capture, **FP8)
     expected = generate(fp32_model)
     ours = generate(model, along=expected.sequences)
     assert type(model) is cls and torch.equal(ours.sequences, expected.sequences)
     scale = max(step.abs().max().item() for step in expected.logits)
     error = max((a - b).abs().max().item() for a, b in zip(ours.logits, expected.logits, strict=True))
     assert 0 < error <= 0.1 * scale, f"max logit error {error:.3g} vs logit scale {scale:.3g}"
-    assert fp8_matmuls(model) == lowered   # q/k/v/o (GPT-2: c_attn/c_proj), the MLPs, lm_head: all fp8
+    if capture == "parts":
+        assert fp8_matmuls(model) == lowered   # q/k/v/o (GPT-2: c_attn/c_proj), the MLPs, lm_head: all fp8
+    else:   # dynamo: the prefill graph and each decode graph run all of them fp8
+        graph_counts = [fp8_matmuls_in(gm) for _, gm, _ in compiled_graphs(model)]
+        assert len(graph_counts) >= 2 and set(graph_counts) == {lowered}, graph_counts
     if scaling == "delayed":   # eval: generate records nothing
         assert histories(model) and not any(v.any() for v in histories(model).values())
 
@@ -399,13 +416,14 @@ class ValidationWatch(pl.Callback):
         self.changed.append(any(not torch.equal(self.before.get(k, torch.zeros_like(v)), v) for k, v in after.items()))
 
 
-def lightning_fit(module, steps: int, scaling: str, ckpt_path=None, validate: bool = True, callbacks=()):
+def lightning_fit(module, steps: int, scaling: str, ckpt_path=None, validate: bool = True, callbacks=(),
+                  capture: str | None = None):
     watch = ValidationWatch()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, val_check_interval=2,
                          num_sanity_val_steps=1 if validate else 0, limit_val_batches=1 if validate else 0,
                          callbacks=[watch, *callbacks],
-                         plugins=[AmpPrecision("fp8", **fp8_options(scaling))])
+                         plugins=[AmpPrecision("fp8", **fp8_options(scaling, capture))])
     def loader(data):   # already batched
         return torch.utils.data.DataLoader(data, batch_size=None)
     # 2 batches an epoch: a resume at step 4 starts an epoch, as the uninterrupted run does there
@@ -413,10 +431,10 @@ def lightning_fit(module, steps: int, scaling: str, ckpt_path=None, validate: bo
     return trainer, watch
 
 
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_lightning_plugin_trains_in_fp8(scaling):
+@pytest.mark.parametrize("scaling, capture", SCALINGS_AND_CAPTURES)
+def test_lightning_plugin_trains_in_fp8(scaling, capture):
     module = LitMlp()
-    _, watch = lightning_fit(module, 8, scaling)
+    _, watch = lightning_fit(module, 8, scaling, capture=capture)
     assert_fp8_lowered(module, 3)
     assert_trained_like_fp32(module.losses, fp32_losses(epochs()))
     assert watch.loops >= 3 and not any(watch.changed)   # sanity check + validations: nothing recorded
@@ -476,9 +494,9 @@ def trainer_arguments(output_dir, **overrides):
     return transformers.TrainingArguments(**{**settings, **overrides})
 
 
-def hf_trainer(model, output_dir, scaling: str, callback: bool = False, **overrides):
+def hf_trainer(model, output_dir, scaling: str, callback: bool = False, capture: str | None = None, **overrides):
     from amp_compiler.huggingface import AmpCallback, AmpTrainer
-    options = fp8_options(scaling)
+    options = fp8_options(scaling, capture)
     common = dict(model=model, args=trainer_arguments(output_dir, **overrides), train_dataset=task(2 * BATCH),
                   eval_dataset=task(2 * BATCH))   # the rows it learned: eval loss near the last train loss
     if callback:
@@ -491,11 +509,12 @@ def trainer_losses(trainer) -> list[float]:
 
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
-@pytest.mark.parametrize("scaling, callback", [("current", False), ("delayed", False), ("delayed", True)],
-                         ids=["current", "delayed", "delayed-callback"])
-def test_hf_trainer_trains_in_fp8_and_evaluate_records_nothing(tmp_path, scaling, callback):
+@pytest.mark.parametrize("scaling, callback, capture", [("current", False, None), ("delayed", False, None),
+                                                        ("delayed", True, None), ("current", False, "dynamo")],
+                         ids=["current", "delayed", "delayed-callback", "current-dynamo"])
+def test_hf_trainer_trains_in_fp8_and_evaluate_records_nothing(tmp_path, scaling, callback, capture):
     model = Mlp()
-    trainer = hf_trainer(model, tmp_path, scaling, callback=callback)
+    trainer = hf_trainer(model, tmp_path, scaling, callback=callback, capture=capture)
     trainer.train()
     assert_fp8_lowered(model, 3)
     losses = trainer_losses(trainer)
@@ -558,8 +577,8 @@ def test_hf_trainer_runs_a_transformers_model_in_fp8_and_its_checkpoints_keep_th
 
 # -- 5. Accelerate ---------------------------------------------------------------------------------------------------
 @pytest.mark.usefixtures("fresh_accelerator_state")
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_accelerate_prepare_trains_in_fp8_and_save_state_keeps_the_histories(tmp_path, scaling):
+@pytest.mark.parametrize("scaling, capture", SCALINGS_AND_CAPTURES)
+def test_accelerate_prepare_trains_in_fp8_and_save_state_keeps_the_histories(tmp_path, scaling, capture):
     from accelerate import Accelerator
     import amp_compiler.accelerate as amp_accelerate
 
@@ -567,7 +586,7 @@ def test_accelerate_prepare_trains_in_fp8_and_save_state_keeps_the_histories(tmp
         model = Mlp()
         accelerator = Accelerator(mixed_precision="no", cpu=True)
         prepared, optimizer = amp_accelerate.prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.5),
-                                                     level="fp8", **fp8_options(scaling))
+                                                     level="fp8", **fp8_options(scaling, capture))
         if load_from:
             accelerator.load_state(load_from)
         losses = []
