@@ -68,7 +68,11 @@ class ProfiledDtypes:
     """AtenDtypeRecorder's answers from torch.profiler (record_shapes=True gives each op's input dtypes): a
     TorchDispatchMode makes TorchDynamo run a frame as written, so it cannot observe a model on dynamo's capture.
     Op names as AtenDtypeRecorder takes them ("addmm"), or with a namespace ("mkldnn::_linear_pointwise"). The
-    profiler also records the fake-tensor ops of dynamo's tracing: profile a call that compiles nothing."""
+    profiler also records the fake-tensor ops of dynamo's tracing: profile a call that compiles nothing. Entered
+    again, it adds the new calls' events to those it holds."""
+
+    def __init__(self):
+        self.events: list[tuple[str, list]] = []
 
     def __enter__(self):
         self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
@@ -77,7 +81,15 @@ class ProfiledDtypes:
 
     def __exit__(self, *exc):
         self.profile.__exit__(*exc)
-        self.events = [(e.name, e.input_dtypes) for e in self.profile.events()]
+        self.events += [(e.name, e.input_dtypes) for e in self.profile.events()]
+
+    @property
+    def calls(self) -> dict[str, list]:
+        """{op name: [its input dtypes, per call]}, as AtenDtypeRecorder's (for a failing assertion's message)."""
+        found: dict[str, list] = defaultdict(list)
+        for name, dtypes in self.events:
+            found[name.removeprefix("aten::")].append(tuple(dtypes))
+        return dict(found)
 
     def input_dtypes(self, *op_names: str) -> set:
         names = {name if "::" in name else f"aten::{name}" for name in op_names}

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 import amp_compiler
 from amp_compiler.lightning import AmpFabricPrecision, AmpPrecision
-from amp_testing import AtenDtypeRecorder
+from amp_testing import AtenDtypeRecorder, ProfiledDtypes
 
 STEPS = 3
 TRAINER_SETTINGS = dict(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
@@ -110,12 +110,14 @@ def amp_log():
 
 
 # -- Trainer ---------------------------------------------------------------------------------------------------
-def test_bf16_plugin_trains_like_bf16_mixed_with_matmuls_low_and_norms_fp32(amp_log):
+@pytest.mark.parametrize("capture", ["parts", "dynamo"])
+def test_bf16_plugin_trains_like_bf16_mixed_with_matmuls_low_and_norms_fp32(amp_log, capture):
     reference = Classifier()
     fit(reference, precision="bf16-mixed")
     converted = Classifier()
-    converted.recorder = AtenDtypeRecorder()
-    trainer = fit(converted, plugins=[AmpPrecision("O1", dtype=torch.bfloat16)])
+    # a dispatch mode makes dynamo run the frame as written: the profiler observes dynamo's graphs
+    converted.recorder = AtenDtypeRecorder() if capture == "parts" else ProfiledDtypes()
+    trainer = fit(converted, plugins=[AmpPrecision("O1", dtype=torch.bfloat16, capture=capture)])
 
     assert trainer.precision == "bf16-mixed" and trainer.precision_plugin.scaler is None
     assert len(converted.losses) == STEPS
@@ -128,7 +130,11 @@ def test_bf16_plugin_trains_like_bf16_mixed_with_matmuls_low_and_norms_fp32(amp_
         assert recorder.input_dtypes(op) == {torch.float32}, (op, dict(recorder.calls))
     # the child called by training_step is a part with a graph; the summary is logged once, after step 1
     report = amp_compiler.explain(converted)
-    assert "model" in str(report).split("graphs", 1)[1].splitlines()[0]
+    if capture == "parts":
+        assert "model" in str(report).split("graphs", 1)[1].splitlines()[0]
+    else:   # the child's graph, its rows under the LightningModule's paths
+        assert "torch.dynamo: 1 graph(s)" in str(report)
+        assert {row["module"].split(".")[0] for row in report.rows if row["module"]} == {"model"}
     summaries = [r.getMessage() for r in amp_log if "amp-compiler report" in r.getMessage()]
     assert len(summaries) == 1 and "bfloat16" in summaries[0]
 
