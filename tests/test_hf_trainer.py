@@ -15,6 +15,7 @@ from transformers import (BertConfig, BertForSequenceClassification, Trainer, Tr
 
 import amp_compiler
 from amp_compiler.huggingface import AmpCallback, AmpTrainer
+from amp_compiler.in_place.conversion import converted_in_place
 from amp_testing import AtenDtypeRecorder
 
 pytestmark = pytest.mark.real_models
@@ -167,8 +168,10 @@ def test_the_callback_refuses_fp16_and_names_amp_trainer():
         AmpCallback("O1", dtype=torch.float16)
 
 
-def test_a_model_init_model_is_converted_when_the_trainer_builds_it(tmp_path):
-    trainer = AmpTrainer(model_init=lambda: tiny_bert(), args=arguments(tmp_path), amp_dtype=torch.float16)
-    conversion = trainer.model.__dict__.get("_amp_in_place")
+@pytest.mark.parametrize("capture", ["parts", "dynamo"])
+def test_a_model_init_model_is_converted_when_the_trainer_builds_it(tmp_path, capture):
+    trainer = AmpTrainer(model_init=lambda: tiny_bert(), args=arguments(tmp_path), amp_dtype=torch.float16,
+                         amp_options={"capture": capture})
+    conversion = converted_in_place(trainer.model)
     assert conversion is not None and conversion.config.low_dtype == torch.float16
     assert isinstance(trainer.accelerator.scaler, amp_compiler.GradScaler)
