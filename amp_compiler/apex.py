@@ -254,7 +254,12 @@ def _convert(model: nn.Module, properties: Properties, capture: str = "parts") -
     convert(model, properties.opt_level, inplace=True, dtype=properties.low_dtype, capture=capture, **overrides)
     if properties.cast_weights and capture == "parts":
         in_place_conversion(model).weights_cast_low = True   # captures see them fp32
-    # on dynamo the graphs are captured on calls, after _cast: they read the low weights as the model holds them
+    elif properties.cast_weights:
+        # on dynamo the graphs are captured on calls, after _cast: they read the low weights as the model holds
+        # them, so the model's code meets its inputs in the weights' dtype, as Apex's patched forward casts them
+        # (`x * self.scale` then a conv: an fp32 input and low weights fail in dynamo's trace as in eager)
+        model.register_forward_pre_hook(_InputsCast(properties.low_dtype), with_kwargs=True)
+        model.register_forward_hook(_outputs_fp32)   # the parts capture's outputs: fp32, as cast_model_outputs
 
 
 def _weights_to_cast(model: nn.Module, properties: Properties) -> list[torch.Tensor]:
@@ -273,6 +278,35 @@ def _weights_to_cast(model: nn.Module, properties: Properties) -> list[torch.Ten
             if tensor.is_floating_point():
                 tensors[id(tensor)] = tensor   # a parameter shared by two modules is cast once
     return list(tensors.values())
+
+
+class _InputsCast:
+    """A forward pre-hook: the call's floating tensors cast to `dtype` (Apex O2/O3's input cast); picklable."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, kwargs):
+        def cast(value):
+            return value.to(self.dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+        return torch.utils._pytree.tree_map(cast, (args, kwargs))
+
+
+def _outputs_fp32(module, args, output):
+    """A forward hook: low floating outputs back to fp32 (a tensor, a tuple or list of them, a dict or ModelOutput's
+    tensor values; a KV cache object is left as it is)."""
+    def fp32(value):
+        low = isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16)
+        return value.float() if low else value
+    if isinstance(output, tuple) and hasattr(output, "_fields"):   # a namedtuple takes its fields positionally
+        return type(output)(*map(fp32, output))
+    if isinstance(output, (tuple, list)):
+        return type(output)(fp32(value) for value in output)
+    if isinstance(output, dict):
+        for key, value in list(output.items()):
+            output[key] = fp32(value)
+        return output
+    return fp32(output)
 
 
 def _cast(tensors: list[torch.Tensor], dtype: torch.dtype) -> None:

@@ -197,6 +197,22 @@ def graphs_of(model):
 
 
 @pytest.mark.parametrize("model_class", [TinyNet, ConvBnModel])
+def test_o2_on_dynamo_runs_a_model_whose_code_mixes_its_input_with_a_low_weight(model_class):
+    """`x * self.param` before a conv: with the weights low, an fp32 input fails in dynamo's trace as in eager;
+    the input is cast to the weights' dtype, as Apex's O2 forward does, and the result is close to fp32's."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = model_class().eval()
+    reference = copy.deepcopy(model)
+    amp_compiler.initialize(model, torch.optim.SGD(model.parameters(), lr=1), opt_level="O2",
+                            cast_model_type=torch.bfloat16, verbosity=0, capture="dynamo")
+    x = torch.randn(5, 4) if model_class is TinyNet else torch.randn(2, 3, 5, 5)
+    out, expected = model(x), reference(x)
+    assert out.dtype == torch.float32 and amp_compiler.dynamo.graphs(model)
+    assert (out - expected).abs().max() <= 0.05 * expected.abs().max()
+
+
+@pytest.mark.parametrize("model_class", [TinyNet, ConvBnModel])
 def test_o2_graph_is_convert_s_and_its_weight_casts_are_no_ops(model_class):
     """The graph is the one the compiler's O2 builds for the fp32 model (captures see fp32 weights); at run
     time its weight casts get low weights and return them as they are: the same output bit for bit."""
