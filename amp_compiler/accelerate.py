@@ -106,7 +106,7 @@ def checked_scaler(scaler: LossScaleManager | None, dtype: torch.dtype) -> LossS
 
 def convert_once(model: nn.Module, level: str, dtype: torch.dtype, convert_options: dict) -> None:
     """Convert in place, unless the model already is (a second prepare or Trainer keeps its conversion), on either
-    capture (convert_options={"capture": "dynamo"} for TorchDynamo's)."""
+    capture (TorchDynamo's by default; convert_options={"capture": "parts"} for the parts')."""
     conversion = converted_in_place(model)
     if conversion is None:
         amp_compiler.convert(model, level, inplace=True, dtype=dtype, **convert_options)

@@ -80,12 +80,12 @@ _state: AmpState | None = None
 def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
                patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None,
                cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None,
-               max_loss_scale=APEX_MAX_SCALE, capture="parts"):
+               max_loss_scale=APEX_MAX_SCALE, capture=None):
     """Apex's amp.initialize: convert the model(s) in place and prepare the optimizer(s) for `opt_level`.
 
     Returns the same objects, as Apex: lists where lists were given. Call it once, after building the models
     and optimizers and before wrapping them in DistributedDataParallel. `capture` (not Apex's): convert()'s,
-    "parts" or "dynamo" (TorchDynamo's capture; O2/O3's stored low weights are what its graphs then read).
+    TorchDynamo's by default (O2/O3's stored low weights are what its graphs read) or "parts".
     """
     global _state
     if not enabled:
@@ -225,7 +225,7 @@ def _check_fresh(models: list, optimizers: list) -> None:
                              "an fp32 model (O2/O3 cast the weights themselves). Call model.float() first.")
 
 
-def _convert_and_prepare(models: list, optimizers: list, properties: Properties, capture: str = "parts") -> dict:
+def _convert_and_prepare(models: list, optimizers: list, properties: Properties, capture: str | None = None) -> dict:
     """Convert the models in place, give the optimizers fp32 masters of the weights O2 casts, cast them.
     Returns {low parameter: its master}, which the models' checkpoint hooks read."""
     to_cast = [p for model in models for p in _weights_to_cast(model, properties)]
@@ -246,14 +246,14 @@ def _convert_and_prepare(models: list, optimizers: list, properties: Properties,
     return masters
 
 
-def _convert(model: nn.Module, properties: Properties, capture: str = "parts") -> None:
+def _convert(model: nn.Module, properties: Properties, capture: str | None = None) -> None:
     if properties.opt_level == "O0":
         return   # fp32 as written
     keep_norms = properties.keep_batchnorm_fp32
     overrides = {} if keep_norms is None else {"keep_batchnorm_fp32": keep_norms}
     convert(model, properties.opt_level, inplace=True, dtype=properties.low_dtype, capture=capture, **overrides)
-    if properties.cast_weights and capture == "parts":
-        in_place_conversion(model).weights_cast_low = True   # captures see them fp32
+    if properties.cast_weights and in_place_conversion(model) is not None:
+        in_place_conversion(model).weights_cast_low = True   # parts' captures see them fp32
     elif properties.cast_weights:
         # on dynamo the graphs are captured on calls, after _cast: they read the low weights as the model holds
         # them, so the model's code meets its inputs in the weights' dtype, as Apex's patched forward casts them

@@ -58,7 +58,7 @@ from amp_compiler.passes.node_facts import facts
 
 def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None = None,
             dynamic_shapes=None, calibration_data=None, freeze: bool = False, inplace: bool = False,
-            capture: str = "parts", **overrides) -> fx.GraphModule:
+            capture: str | None = None, **overrides) -> fx.GraphModule:
     """Trace `model` and return a GraphModule whose every node runs in the precision the rules pick.
 
     The result shares the model's parameters and buffers (an optimizer on model.parameters() trains it)
@@ -69,44 +69,71 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     `freeze=True`: inference calls read low-precision weight copies made once (amp_compiler.freeze).
     `inplace=True`: the model itself is converted and returned (same class, methods, forward signature and
     state_dict); its parts are captured on their first calls (in_place/conversion.py), example_inputs optional.
-    `capture` (inplace=True): "parts" (that machinery) or "dynamo": TorchDynamo captures the model's calls and the
-    same passes convert each graph (amp_compiler.compile(model, level, backend="eager"): generate() with attention
-    low, checkpointing recomputed, a weight-cast cache in inference, on by default: freeze=True changes nothing
-    there, weight_cache=False turns it off; see amp_compiler/dynamo/).
+    `capture` (inplace=True): "dynamo", the default: TorchDynamo captures the model's calls and the same passes
+    convert each graph (amp_compiler.compile(model, level, backend="eager"): generate() with attention low,
+    checkpointing recomputed, a weight-cast cache in inference, on by default: freeze=True changes nothing there,
+    weight_cache=False turns it off; see amp_compiler/dynamo/). "parts": the model's parts captured with fx or
+    torch.export and guarded by amp-compiler (in_place/), the default only where a request needs it
+    (calibration_data, fp8_scaling="delayed"; the report's notes say so).
     """
-    if capture not in CAPTURES:
+    if capture is not None and capture not in CAPTURES:
         raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}; got {capture!r}")
     weight_cache = overrides.pop("weight_cache", None)
+    config = make_config(level, **overrides)
+    check_calibration_data(calibration_data)   # before any work: a bare tensor would be split into rows
+    if capture is not None and not inplace:
+        raise ValueError(f"capture={capture!r} applies to inplace=True (convert() without it returns a GraphModule "
+                         "from fx or torch.export)")
+    if inplace and dynamic_shapes is not None:
+        raise ValueError("dynamic_shapes does not apply to inplace=True: the model is captured on the calls it gets, "
+                         "and captured shape-generic again when a call's shapes need it")
+    why_parts = ""
+    if inplace and capture is None:
+        capture, why_parts = default_capture(config, calibration_data)
     if weight_cache is not None and capture != "dynamo":
         raise ValueError("weight_cache is an option of capture='dynamo' (whose weight cache is on by default); "
                          "elsewhere freeze=True keeps low weight copies")
-    config = make_config(level, **overrides)
-    check_calibration_data(calibration_data)   # before any work: a bare tensor would be split into rows
     if capture == "dynamo":
-        if not inplace:
-            raise ValueError("capture='dynamo' converts the model in place: pass inplace=True (convert() without "
-                             "it returns a GraphModule from fx or torch.export)")
         return _convert_on_dynamo(model, config, level, example_inputs, dynamic_shapes, calibration_data, overrides,
                                   weight_cache=True if weight_cache is None else weight_cache)
     with collector_paused():
         return _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace,
-                        overrides)
+                        overrides, why_parts)
 
 
-CAPTURES = ("parts", "dynamo")
+CAPTURES = ("dynamo", "parts")
+
+
+def needs_parts(config: AmpConfig, calibration_data) -> list[str]:
+    """What of a request only the parts capture does yet (dynamo's backend sees one call's graph at a time:
+    calibration would run the model inside it, and fp8 delayed histories live on the parts)."""
+    return [name for name, given in (("calibration_data", calibration_data is not None),
+                                     ("fp8_scaling='delayed'", config.fp8 is not None
+                                      and config.fp8.scaling == "delayed")) if given]
+
+
+def chosen_capture(level: str, capture: str | None = None, calibration_data=None, **overrides) -> str:
+    """The capture convert(model, level, inplace=True, capture=capture, ...) takes (an integration that calls
+    something else for dynamo's, e.g. a LightningModule's children, asks it first)."""
+    return capture or default_capture(make_config(level, **overrides), calibration_data)[0]
+
+
+def default_capture(config: AmpConfig, calibration_data) -> tuple[str, str]:
+    """(capture, why): dynamo's, or the parts' with the report's note naming what needs it."""
+    needed = needs_parts(config, calibration_data)
+    if not needed:
+        return "dynamo", ""
+    return "parts", f"captured in parts, not with TorchDynamo: {' and '.join(needed)} needs it"
 
 
 def _convert_on_dynamo(model, config, level, example_inputs, dynamic_shapes, calibration_data, overrides, *,
                        weight_cache: bool = True) -> nn.Module:
     from amp_compiler.dynamo.compile import compile as compile_on_dynamo   # the dynamo package imports this module
     from amp_compiler.in_place.conversion import capture_now, refuse_in_place_request
-    not_yet = [name for name, given in (("calibration_data", calibration_data is not None),
-                                        ("dynamic_shapes", dynamic_shapes is not None),
-                                        ("fp8_scaling='delayed'", config.fp8 is not None
-                                         and config.fp8.scaling == "delayed")) if given]
+    not_yet = needs_parts(config, calibration_data)
     if not_yet:
         raise ValueError(f"capture='dynamo' does not take {', '.join(not_yet)} yet: use capture='parts' "
-                         "(the default) for it")
+                         "(the default where a request needs it) for it")
     refuse_in_place_request(model, example_inputs)
     compile_on_dynamo(model, level, backend="eager", weight_cache=weight_cache, **overrides)
     capture_now(model, example_inputs)
@@ -127,13 +154,11 @@ def collector_paused():
             gc.enable()
 
 
-def _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace, overrides):
+def _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace, overrides,
+             why_parts=""):
     if inplace:
-        if dynamic_shapes is not None:
-            raise ValueError("dynamic_shapes does not apply to inplace=True: parts are captured shape-generic on "
-                             "the calls they get, and again when a call's shapes need it")
         return convert_in_place(model, with_model_lists(config, model), example_inputs=example_inputs,
-                                calibration_data=calibration_data, freeze=freeze)   # parts see the whole model's lists
+                                calibration_data=calibration_data, freeze=freeze, why_parts=why_parts)   # parts see the whole model's lists
     try:
         captured = capture(model, example_inputs, dynamic_shapes)
     except TracingError as error:

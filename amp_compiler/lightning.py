@@ -54,6 +54,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.plugins.precision import Precision
 
 import amp_compiler
+from amp_compiler.convert import chosen_capture
 from amp_compiler.dynamo.compile import compile_children
 from amp_compiler.in_place.conversion import converted_in_place, in_place_conversion
 from amp_compiler.in_place.fp8_histories import load_histories, pop_history_keys
@@ -95,9 +96,9 @@ class AmpTraining:
     def convert(self, module: nn.Module) -> nn.Module:
         if converted_in_place(module) is None:   # a second fit() on the same model keeps its conversion
             options = dict(self.convert_options)
-            if options.get("capture") == "dynamo" and _is_lightning_module(module):
+            if _is_lightning_module(module) and chosen_capture(self.level, dtype=self.dtype, **options) == "dynamo":
                 # training_step calls the children, never the LightningModule's forward: each child is compiled
-                options.pop("capture")
+                options.pop("capture", None)
                 compile_children(module, self.level, backend="eager", dtype=self.dtype, **options)
             else:
                 amp_compiler.convert(module, self.level, inplace=True, dtype=self.dtype, **options)

@@ -103,7 +103,7 @@ def test_levels_leave_apex_dtypes_and_masters(level):
         assert own == [name.startswith("norm") for name in fp32]
     else:   # the optimizer steps the model's own parameters
         assert all(m is p for m, p in zip(masters, model.parameters()))
-    assert (amp_compiler.in_place.conversion.in_place_conversion(model) is None) == (level == "O0")
+    assert (amp_compiler.in_place.conversion.converted_in_place(model) is None) == (level == "O0")
 
 
 def test_o2_keep_batchnorm_fp32_false_casts_norms_and_their_statistics():
@@ -218,9 +218,9 @@ def test_o2_graph_is_convert_s_and_its_weight_casts_are_no_ops(model_class):
     time its weight casts get low weights and return them as they are: the same output bit for bit."""
     torch.manual_seed(0)
     model = model_class().eval()
-    plain = amp_compiler.convert(copy.deepcopy(model), "O2", inplace=True, dtype=torch.bfloat16)
+    plain = amp_compiler.convert(copy.deepcopy(model), "O2", inplace=True, dtype=torch.bfloat16, capture="parts")
     amp_compiler.initialize(model, torch.optim.SGD(model.parameters(), lr=1), opt_level="O2",
-                            cast_model_type=torch.bfloat16, verbosity=0)
+                            cast_model_type=torch.bfloat16, verbosity=0, capture="parts")
     x = torch.randn(5, 4) if model_class is TinyNet else torch.randn(2, 3, 5, 5)
     assert torch.equal(model(x), plain(x))
     assert [gm.code for gm in graphs_of(model)] == [gm.code for gm in graphs_of(plain)]
@@ -571,7 +571,8 @@ def test_mistakes_are_named():
 
 @pytest.mark.slow
 @pytest.mark.real_models
-def test_tiny_llama_trains_at_o2_like_fp32():
+@pytest.mark.parametrize("capture", ["parts", "dynamo"])
+def test_tiny_llama_trains_at_o2_like_fp32(capture):
     """A Hugging Face decoder at O2 bf16, trained with labels: one graph (torch.export) on bf16 weights; the
     loss follows the fp32 run's."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -582,7 +583,8 @@ def test_tiny_llama_trains_at_o2_like_fp32():
     reference = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    amp_compiler.initialize(model, optimizer, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0)
+    amp_compiler.initialize(model, optimizer, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0,
+                            capture=capture)
     assert model.lm_head.weight.dtype == torch.bfloat16
     ids = torch.randint(0, 64, (2, 8))
     for _ in range(3):
@@ -596,8 +598,11 @@ def test_tiny_llama_trains_at_o2_like_fp32():
         expected.backward()
         reference_optimizer.step()
         assert loss.item() == pytest.approx(expected.item(), rel=5e-3)
-    graphs = [path for path, part in model._amp_in_place.parts.items() if part.graphs]
-    assert graphs == [""]   # a call with labels is captured whole (torch.export), on the bf16 weights
+    if capture == "parts":
+        graphs = [path for path, part in model._amp_in_place.parts.items() if part.graphs]
+        assert graphs == [""]   # a call with labels is captured whole (torch.export), on the bf16 weights
+    else:   # dynamo: a call with labels is one graph, on the bf16 weights
+        assert len(amp_compiler.dynamo.graphs(model)) == 1
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])

@@ -1,4 +1,4 @@
-"""convert(model, inplace=True): the user's model object, converted part by part on its first calls.
+"""convert(model, inplace=True, capture="parts"): the user's model object, converted part by part on its first calls.
 
 What the user keeps (class, methods, signature, state_dict, hooks, train/eval), what the parts do (lazy
 capture, recapture on another dtype/rank/constant/shape guard, the capture limit, as-written fallbacks with
@@ -63,7 +63,7 @@ def test_same_object_class_signature_methods_and_state_dict():
     model = Block()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     signature = inspect.signature(model.forward)
-    result = amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    result = amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")
     assert result is model and type(model) is Block and model.describe() == "block"
     assert inspect.signature(model.forward) == signature
     model(torch.randn(4, 16))
@@ -79,7 +79,7 @@ def test_outputs_and_decisions_equal_convert(name):
     task.model.eval()   # dropout off: both runs are deterministic
     # a part captures on the inputs it gets: the reference knows them too (shape-aware passes see the same)
     reference = amp_compiler.convert(copy.deepcopy(task.model), "O1", dtype=BF16, example_inputs=task.example_inputs)
-    model = amp_compiler.convert(task.model, "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(task.model, "O1", dtype=BF16, inplace=True, capture="parts")
     with torch.no_grad():
         assert torch.equal(model(*task.example_inputs), reference(*task.example_inputs))
     (graph,) = [g for graphs in parts(model)[""].graphs.values() for g in graphs]
@@ -90,7 +90,7 @@ def test_runs_low_at_run_time_and_trains_like_fp32():
     torch.manual_seed(0)
     model = Block()
     fp32 = copy.deepcopy(model)
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")
     x = torch.randn(8, 16)
     model(x)   # captures (its fake-value propagation would show in the recorder as fp32 ops)
     with AtenDtypeRecorder() as recorder:
@@ -105,7 +105,7 @@ def test_runs_low_at_run_time_and_trains_like_fp32():
 
 
 def test_lazy_capture_and_recapture_on_dtype_rank_keywords_and_constants():
-    model = amp_compiler.convert(Block(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(Block(), "O1", dtype=BF16, inplace=True, capture="parts")
     root = parts(model)[""]
     assert root.captures == 0   # nothing until the first call
     model(torch.randn(4, 16))
@@ -122,7 +122,7 @@ def test_lazy_capture_and_recapture_on_dtype_rank_keywords_and_constants():
 
 
 def test_capture_limit_runs_as_written_with_one_warning():
-    model = amp_compiler.convert(Block(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(Block(), "O1", dtype=BF16, inplace=True, capture="parts")
     x = torch.randn(4, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -141,7 +141,7 @@ def test_an_uncapturable_argument_runs_the_part_as_written_and_converts_its_chil
     model = TakesObject()
     x = torch.randn(4, 16)
     expected = model(x, Opaque(2.0))
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")
     model(x, Opaque(2.0))   # captures
     with AtenDtypeRecorder() as recorder:
         out = model(x, Opaque(2.0))
@@ -164,7 +164,7 @@ class DataDependent(nn.Module):
 
 
 def test_an_untraceable_forward_falls_back_to_its_children():
-    model = amp_compiler.convert(DataDependent(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(DataDependent(), "O1", dtype=BF16, inplace=True, capture="parts")
     x = torch.randn(4, 16).abs()
     out = model(x)
     assert torch.allclose(out, DataDependent.forward(model, x), atol=0.05)
@@ -177,7 +177,7 @@ def test_hooks_fire_once_per_call():
     calls = []
     model.register_forward_hook(lambda m, i, o: calls.append("root"))
     model.up.register_forward_pre_hook(lambda m, i: calls.append(("up", i[0].dtype)))
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")
     model(torch.randn(4, 16))
     model(torch.randn(4, 16))
     assert calls.count("root") == 2 and sum(1 for c in calls if c[0] == "up") == 2
@@ -194,7 +194,7 @@ class TrainingBranch(nn.Module):
 
 
 def test_train_and_eval_each_get_their_own_graph():
-    model = amp_compiler.convert(TrainingBranch(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(TrainingBranch(), "O1", dtype=BF16, inplace=True, capture="parts")
     x = torch.randn(4, 16)
     train_out = model(x)
     model.eval()
@@ -210,7 +210,7 @@ def test_restore_gives_back_the_original_forwards():
     model = TakesObject()
     x = torch.randn(4, 16)
     expected = model(x, Opaque(1.0))
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")
     assert not torch.equal(model(x, Opaque(1.0)), expected)
     assert amp_compiler.restore(model) is model
     assert torch.equal(model(x, Opaque(1.0)), expected)
@@ -220,17 +220,17 @@ def test_restore_gives_back_the_original_forwards():
 
 
 def test_converting_twice_and_dynamic_shapes_are_refused():
-    model = amp_compiler.convert(Block(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(Block(), "O1", dtype=BF16, inplace=True, capture="parts")
     with pytest.raises(ValueError, match="restore"):
-        amp_compiler.convert(model, "O2", inplace=True)
+        amp_compiler.convert(model, "O2", inplace=True, capture="parts")
     with pytest.raises(ValueError, match="dynamic_shapes"):
-        amp_compiler.convert(Block(), "O1", inplace=True, dynamic_shapes={"x": {0: "batch"}})
+        amp_compiler.convert(Block(), "O1", inplace=True, capture="parts", dynamic_shapes={"x": {0: "batch"}})
 
 
 def test_a_new_weight_loaded_with_assign_is_the_one_the_graph_reads():
     torch.manual_seed(0)
     model, other = Block(), Block()
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")
     x = torch.randn(4, 16)
     model(x)
     model.load_state_dict(other.state_dict(), assign=True)
@@ -240,7 +240,7 @@ def test_a_new_weight_loaded_with_assign_is_the_one_the_graph_reads():
 
 def test_deepcopy_and_torch_save_keep_a_working_conversion():
     torch.manual_seed(0)
-    model = amp_compiler.convert(Block(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(Block(), "O1", dtype=BF16, inplace=True, capture="parts")
     x = torch.randn(4, 16)
     out = model(x)
     twin = copy.deepcopy(model)
@@ -259,7 +259,7 @@ def test_deepcopy_and_torch_save_keep_a_working_conversion():
 def test_example_inputs_capture_at_conversion_without_changing_buffers():
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)).train()
     statistics = model[1].running_mean.clone()
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, example_inputs=(torch.randn(16, 8) + 3,))
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts", example_inputs=(torch.randn(16, 8) + 3,))
     assert parts(model)[""].captures == 1 and parts(model)[""].graphs
     assert torch.equal(model[1].running_mean, statistics) and model[1].num_batches_tracked == 0
 
@@ -268,13 +268,13 @@ def test_calibration_data_reaches_the_parts():
     torch.manual_seed(0)
     model = Block()
     samples = [(torch.randn(4, 16),), (torch.randn(4, 16) * 3,)]
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, calibration_data=samples)
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts", calibration_data=samples)
     model(torch.randn(4, 16))
     (graph,) = parts(model)[""].graphs[next(iter(parts(model)[""].graphs))]
     from amp_compiler.passes.node_facts import facts
     assert any("range" in facts(node) for node in graph.gm.graph.nodes)
     with pytest.raises(ValueError, match="sample 0"):
-        amp_compiler.convert(Block(), "O1", inplace=True, calibration_data=[(torch.randn(4, 5),)])
+        amp_compiler.convert(Block(), "O1", inplace=True, capture="parts", calibration_data=[(torch.randn(4, 5),)])
 
 
 def test_o0_changes_nothing():
@@ -282,14 +282,14 @@ def test_o0_changes_nothing():
     model = TakesObject()
     x = torch.randn(4, 16)
     expected = model(x, Opaque(1.5))
-    amp_compiler.convert(model, "O0", inplace=True)
+    amp_compiler.convert(model, "O0", inplace=True, capture="parts")
     assert torch.equal(model(x, Opaque(1.5)), expected)
 
 
 def test_a_submodule_switched_alone_to_eval_is_followed():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4)).train()
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")
     x = torch.randn(4, 16)
     model(x)
     model[1].eval()   # the root is still in train mode: its call key is the same
@@ -301,7 +301,7 @@ def test_a_submodule_switched_alone_to_eval_is_followed():
 def test_a_wrapper_put_on_the_forward_after_conversion_still_reaches_the_part():
     # Accelerate's prepare() rewraps model.forward.__func__ as a method of the model
     import types
-    model = amp_compiler.convert(nn.Linear(16, 16), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(nn.Linear(16, 16), "O1", dtype=BF16, inplace=True, capture="parts")
     wrapped = model.forward.__func__
     model.forward = types.MethodType(lambda self, *args: wrapped(self, *args) + 0, model)
     x = torch.randn(4, 16)
@@ -335,7 +335,7 @@ def test_an_untraceable_grandchild_is_converted_as_a_part_not_run_under_autocast
     # (fx left the failed grandchild on its module stack: the capture failed with "Unexpected key".) An
     # untraceable module holding parameters makes its ancestors run as written, down to it: its traceable
     # siblings and its own children are graphs under the policy, not one opaque call under autocast.
-    model = amp_compiler.convert(Outer(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(Outer(), "O1", dtype=BF16, inplace=True, capture="parts")
     x = torch.randn(4, 16)
     out = model(x)
     reason = next(iter(parts(model)[""].as_written.values()))

@@ -1,4 +1,4 @@
-"""convert(model, inplace=True) against models that do unusual things: the converted model must compute what
+"""convert(model, inplace=True, capture="parts") against models that do unusual things: the converted model must compute what
 the model as written computes (fp32 reference, bf16 tolerance) and leave the user's object as it would be.
 
 Forwards with side effects (an input or buffer updated in place, `self.x = ...`, grad-mode switches), state
@@ -27,7 +27,7 @@ ATOL = 0.05   # bf16 matmuls of width 8..16 against fp32
 
 
 def convert(model):
-    return amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    return amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")
 
 
 def parts(model):
@@ -571,7 +571,7 @@ def _storage_alive(pointer: int) -> bool:
 
 @pytest.mark.parametrize("freeze", [False, True])
 def test_the_inputs_of_a_call_are_freed_after_it(freeze):
-    model = amp_compiler.convert(Pair(), "O1", dtype=BF16, inplace=True, freeze=freeze)
+    model = amp_compiler.convert(Pair(), "O1", dtype=BF16, inplace=True, capture="parts", freeze=freeze)
     for call in range(3):   # the capturing call, a training call, an eval call
         x = torch.randn(64, 8, requires_grad=call == 1)
         pointer, alive = x.untyped_storage().data_ptr(), weakref.ref(x)

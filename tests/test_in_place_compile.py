@@ -92,7 +92,7 @@ def explain_without_breaks(model, *args, **kwargs):
 
 def test_example_inputs_at_conversion_compile_without_breaks_and_run_low():
     x = torch.randn(5, 8)
-    model = amp_compiler.convert(mlp().eval(), "O1", dtype=BF16, inplace=True, example_inputs=(x,))
+    model = amp_compiler.convert(mlp().eval(), "O1", dtype=BF16, inplace=True, capture="parts", example_inputs=(x,))
     expected = model(x)
     explain_without_breaks(model, x)
     backend = RecordingBackend()
@@ -105,7 +105,7 @@ def test_example_inputs_at_conversion_compile_without_breaks_and_run_low():
 
 def test_one_eager_call_then_compile_a_transformer_block():
     x = torch.randn(2, 8, 16)
-    model = amp_compiler.convert(transformer_block().eval(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(transformer_block().eval(), "O1", dtype=BF16, inplace=True, capture="parts")
     expected = model(x)   # the eager call that captures
     explain_without_breaks(model, x)
     backend = RecordingBackend()
@@ -120,8 +120,8 @@ def test_one_eager_call_then_compile_a_transformer_block():
 
 def test_compiled_training_step_gradients_are_the_in_place_models_and_run_low():
     x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
-    eager = amp_compiler.convert(mlp(), "O1", dtype=BF16, inplace=True, example_inputs=(x,))
-    model = amp_compiler.convert(mlp(), "O1", dtype=BF16, inplace=True, example_inputs=(x,))
+    eager = amp_compiler.convert(mlp(), "O1", dtype=BF16, inplace=True, capture="parts", example_inputs=(x,))
+    model = amp_compiler.convert(mlp(), "O1", dtype=BF16, inplace=True, capture="parts", example_inputs=(x,))
     aten_graphs = []
 
     def keep(gm, example_inputs):
@@ -148,7 +148,7 @@ def test_tiny_llama_without_cache_compiles_without_breaks():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
-    model = amp_compiler.convert(LlamaForCausalLM(config).eval(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(LlamaForCausalLM(config).eval(), "O1", dtype=BF16, inplace=True, capture="parts")
     ids = torch.randint(0, 128, (2, 7))
     expected = model(ids, use_cache=False).logits
     explain_without_breaks(model, ids, use_cache=False)
@@ -164,8 +164,8 @@ def test_tiny_llama_without_cache_compiles_without_breaks():
 
 def test_cold_compile_breaks_only_on_the_capturing_call_and_says_why():
     x = torch.randn(5, 8)
-    reference = amp_compiler.convert(mlp().eval(), "O1", dtype=BF16, inplace=True, example_inputs=(x,))
-    model = amp_compiler.convert(mlp().eval(), "O1", dtype=BF16, inplace=True)
+    reference = amp_compiler.convert(mlp().eval(), "O1", dtype=BF16, inplace=True, capture="parts", example_inputs=(x,))
+    model = amp_compiler.convert(mlp().eval(), "O1", dtype=BF16, inplace=True, capture="parts")
     backend = RecordingBackend()
     compiled = torch.compile(model, backend=backend)
     torch.testing.assert_close(compiled(x), reference(x), rtol=0, atol=0)
@@ -194,7 +194,7 @@ class TakesOptions(nn.Module):
 
 def test_cold_compile_of_a_model_run_as_written_converts_its_children_then_has_no_breaks():
     torch.manual_seed(0)
-    model = amp_compiler.convert(TakesOptions().eval(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(TakesOptions().eval(), "O1", dtype=BF16, inplace=True, capture="parts")
     x = torch.randn(5, 8)
     backend = RecordingBackend()
     compiled = torch.compile(model, backend=backend)
@@ -215,7 +215,7 @@ def test_cold_compile_of_a_model_run_as_written_converts_its_children_then_has_n
 def test_inductor_compiled_model_matches_the_eager_in_place_model():
     x = torch.randn(16, 8)
     fp32 = mlp().eval()(x)
-    model = amp_compiler.convert(mlp().eval(), "O1", dtype=BF16, inplace=True, example_inputs=(x,))
+    model = amp_compiler.convert(mlp().eval(), "O1", dtype=BF16, inplace=True, capture="parts", example_inputs=(x,))
     expected = model(x)
     out = torch.compile(model)(x)   # the default backend: inductor's CPU kernels
     assert not breaks(), breaks()

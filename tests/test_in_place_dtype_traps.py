@@ -1,4 +1,4 @@
-"""Dtype traps after converting (issue 29): model.half() / .to(bfloat16) after convert(..., inplace=True), and
+"""Dtype traps after converting (issue 29): model.half() / .to(bfloat16) after convert(..., inplace=True, capture="parts"), and
 Apex O2's save_pretrained recording the fp16 parameters' dtype for fp32 weights."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_making_an_in_place_converted_model_low_says_call_float_once(low):
     """Before: every later capture refused the low parameters, swallowed, and the model ran plain low with no word."""
     torch.manual_seed(0)
     model, x = NormedHead().eval(), torch.randn(2, 8)
-    amp_compiler.convert(model, "O1", dtype=torch.bfloat16, inplace=True)
+    amp_compiler.convert(model, "O1", dtype=torch.bfloat16, inplace=True, capture="parts")
     assert _calls_warning(model, x) == []
     model.half() if low == torch.float16 else model.to(low)
     said = _calls_warning(model, x.to(low))
@@ -42,7 +42,7 @@ def test_making_an_in_place_converted_model_low_says_call_float_once(low):
     assert f"NormedHead has {low} parameters" in said[0] and "Call model.float() first" in said[0]
     assert "after convert(..., inplace=True)" in said[0]
     with pytest.raises(ValueError, match="Call model.float"):   # what convert() already says of such a model
-        amp_compiler.convert(NormedHead().to(low), "O1", inplace=True)
+        amp_compiler.convert(NormedHead().to(low), "O1", inplace=True, capture="parts")
 
 
 class Projection(nn.Module):
@@ -58,7 +58,7 @@ def test_a_graph_that_still_runs_on_the_low_weights_says_it_too():
     """The graph captured before .half() takes the same fp32 call (no capture refuses anything): before, silent."""
     torch.manual_seed(0)
     model, x = Projection().eval(), torch.randn(2, 8)
-    amp_compiler.convert(model, "O1", inplace=True)
+    amp_compiler.convert(model, "O1", inplace=True, capture="parts")
     model(x)
     model.half()
     said = _calls_warning(model, x)

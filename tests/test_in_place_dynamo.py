@@ -6,6 +6,8 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler.dynamo import graphs
+from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.in_place import in_place_conversion
 from amp_compiler.passes.node_facts import facts
 from test_dynamo_capture import CustomGeluMlp, DataDependent, LastLogits, tiny_llama
 
@@ -100,10 +102,26 @@ def test_what_it_does_not_take_yet_is_refused_by_name(level, options, named):
 
 
 def test_it_needs_inplace_and_a_known_capture():
-    with pytest.raises(ValueError, match="pass inplace=True"):
+    with pytest.raises(ValueError, match="applies to inplace=True"):
         amp_compiler.convert(CustomGeluMlp(), "O1", capture="dynamo")
     with pytest.raises(ValueError, match="capture must be one of"):
         amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, capture="fx")
+    with pytest.raises(ValueError, match="dynamic_shapes does not apply to inplace=True"):
+        amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, dynamic_shapes={"x": {0: "batch"}})
+
+
+def test_in_place_is_on_dynamo_by_default_and_on_parts_where_the_request_needs_them():
+    model, x = CustomGeluMlp(), torch.randn(3, 16)
+    assert amp_compiler.convert(model, "O1", inplace=True, dtype=torch.bfloat16) is model
+    model(x)
+    assert compiled_state(model) is not None and in_place_conversion(model) is None
+    assert "front end torch.dynamo" in str(amp_compiler.explain(model))
+    calibrated = amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, calibration_data=[(x,)])
+    delayed = amp_compiler.convert(CustomGeluMlp(), "fp8", inplace=True, fp8_scaling="delayed", fp8_min_dim=16)
+    for converted, needs in ((calibrated, "calibration_data"), (delayed, "fp8_scaling='delayed'")):
+        converted(x)
+        assert compiled_state(converted) is None and in_place_conversion(converted) is not None
+        assert f"note: captured in parts, not with TorchDynamo: {needs} needs it" in str(amp_compiler.explain(converted))
 
 
 def test_a_deepcopy_and_a_torch_save_of_a_converted_model_run_their_own_weights():
@@ -292,6 +310,6 @@ def test_weight_cache_can_be_turned_off_and_parts_refuse_a_compiled_model():
         model(x)
     assert amp_compiler.frozen_bytes(model) == 0
     with pytest.raises(ValueError, match="compiled by amp_compiler"):
-        amp_compiler.convert(model, "O1", inplace=True)   # parts on top would leave the compilation behind restore
+        amp_compiler.convert(model, "O1", inplace=True, capture="parts")   # would leave the compilation behind restore
     with pytest.raises(ValueError, match="weight_cache is an option of capture='dynamo'"):
-        amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, weight_cache=False)
+        amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, capture="parts", weight_cache=False)

@@ -1,7 +1,7 @@
 """Hugging Face models converted in place keep working as Hugging Face models (issue 20).
 
 GPT-2, Llama, Mistral (grouped-query attention, sdpa) and T5 (encoder-decoder), tiny and random-init, converted
-with amp_compiler.convert(model, level, inplace=True):
+with amp_compiler.convert(model, level, inplace=True, capture="parts"):
   * O0: generate() (KV cache on, greedy and seeded sampling) gives the unconverted model's tokens and scores;
   * O1 bf16/fp16: generate()'s per-step logits, forced along the fp32 model's tokens, are within 2x
     torch.autocast's error on the same steps; at run time the projections and MLP matmuls read low while
@@ -91,7 +91,7 @@ def prompt(batch: int = 2, length: int = 5) -> dict:
 
 
 def converted(name: str, level: str, dtype=BF16, **options):
-    return amp_compiler.convert(build(name), level, dtype=dtype, inplace=True, **options)
+    return amp_compiler.convert(build(name), level, dtype=dtype, inplace=True, capture="parts", **options)
 
 
 class ForceTokens(LogitsProcessor):
@@ -205,7 +205,7 @@ def test_class_methods_config_signature_state_dict_and_checkpoints_stay_hugging_
     model = build(name)
     cls, config, signature, modules, before = (type(model), model.config, inspect.signature(model.forward),
                                                 [path for path, _ in model.named_modules()], state(model))
-    assert amp_compiler.convert(model, "O1", dtype=BF16, inplace=True) is model
+    assert amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts") is model
     generate(model)   # the parts capture
     assert type(model) is cls and model.config is config and model.device == torch.device("cpu")
     assert model.generate.__func__ is cls.generate and model.save_pretrained.__func__ is cls.save_pretrained

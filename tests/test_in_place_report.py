@@ -1,4 +1,4 @@
-"""explain / render / compare / verify / freeze on a model converted in place (convert(model, inplace=True)).
+"""explain / render / compare / verify / freeze on a model converted in place (convert(model, inplace=True, capture="parts")).
 
 One report with the parts merged: rows under the user's module paths (a part's graph names them "inner.x"),
 a "parts:" block saying which parts run graphs, which run as written and why, and their captures; freeze()
@@ -78,7 +78,7 @@ def mlp():
 
 def converted(model, *inputs):
     """model converted in place at O1 bf16 and called once (its parts captured)."""
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")
     with torch.no_grad():
         model(*inputs)
     return model
@@ -104,7 +104,7 @@ def test_a_model_captured_whole_reports_the_rows_convert_reports():
 
 
 def test_before_any_call_it_says_nothing_is_captured_yet():
-    model = amp_compiler.convert(mlp(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(mlp(), "O1", dtype=BF16, inplace=True, capture="parts")
     report = amp_compiler.explain(model)
     assert report.rows == [] and NOT_CALLED in report.summary["notes"]
     assert report.summary["parts"][""]["status"] == "not called yet"
@@ -161,7 +161,7 @@ class Dropping(nn.Module):
 
 
 def test_a_part_with_train_and_eval_graphs_counts_both_and_shows_the_latest():
-    model = amp_compiler.convert(Dropping(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(Dropping(), "O1", dtype=BF16, inplace=True, capture="parts")
     x = torch.randn(4, 16)
     model(x)
     model.eval()
@@ -178,7 +178,7 @@ def test_calibration_shows_as_convert_shows_it():
     torch.manual_seed(0)
     samples = [(torch.randn(4, 16),), (torch.randn(4, 16) * 3e4,)]   # past float16's range
     whole = amp_compiler.convert(mlp(), "O1", dtype=torch.float16, calibration_data=samples)
-    model = amp_compiler.convert(mlp(), "O1", dtype=torch.float16, inplace=True, calibration_data=samples)
+    model = amp_compiler.convert(mlp(), "O1", dtype=torch.float16, inplace=True, capture="parts", calibration_data=samples)
     with torch.no_grad():
         model(torch.randn(4, 16))
     line = [line for line in str(amp_compiler.explain(whole)).splitlines() if line.startswith("range calibration")]
@@ -211,7 +211,7 @@ def test_render_writes_the_parts_under_the_user_paths(tmp_path):
 
 
 def test_render_before_any_call_writes_an_empty_picture(tmp_path):
-    model = amp_compiler.convert(mlp(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(mlp(), "O1", dtype=BF16, inplace=True, capture="parts")
     assert "nothing captured yet" in amp_compiler.render(model, tmp_path / "graph.html").read_text()
 
 
@@ -231,7 +231,7 @@ def test_compare_measures_the_outputs_against_the_fp32_model(separate_reference)
     x = torch.randn(4, 16)
     model = TakesObject()
     fp32 = copy.deepcopy(model)
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)   # compare's own call captures the parts
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")   # compare's own call captures the parts
     report = amp_compiler.compare(fp32 if separate_reference else model, model, (x, State(2.0)))
     with torch.no_grad():
         expected = (model(x, State(2.0)).double() - fp32(x, State(2.0)).double()).abs().max().item()
@@ -244,7 +244,7 @@ def test_compare_measures_the_outputs_against_the_fp32_model(separate_reference)
 
 def test_compare_of_a_model_with_nothing_low_has_no_node_errors():
     x = torch.randn(4, 16)
-    model = amp_compiler.convert(mlp(), "O0", inplace=True)
+    model = amp_compiler.convert(mlp(), "O0", inplace=True, capture="parts")
     report = amp_compiler.compare(model, model, (x,))
     assert report.errors == [] and report.outputs[0].max_abs == 0.0
 
@@ -259,7 +259,7 @@ def test_compare_names_the_first_failing_node_with_its_part_path():
 
 def test_verify_checks_every_part_graph_and_names_the_part():
     x = torch.randn(4, 16)
-    model = amp_compiler.convert(TakesObject(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(TakesObject(), "O1", dtype=BF16, inplace=True, capture="parts")
     assert amp_compiler.verify(model, x, State(1.0)) is None   # its first call captures
     gm = next(iter(in_place_conversion(model).parts["layers.1"].graphs.values()))[0].gm
     linear = next(node for node in gm.graph.nodes if facts(node).get("op") == "linear")
@@ -291,8 +291,8 @@ def test_freeze_after_the_first_call_freezes_the_part_graphs_and_keeps_the_outpu
 def test_graphs_captured_after_freezing_are_frozen_too(how):
     x = torch.randn(4, 16)
     model, reference = mlp(), mlp()
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, freeze=how.startswith("convert"))
-    amp_compiler.convert(reference, "O1", dtype=BF16, inplace=True)
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts", freeze=how.startswith("convert"))
+    amp_compiler.convert(reference, "O1", dtype=BF16, inplace=True, capture="parts")
     if how.startswith("freeze"):
         amp_compiler.freeze(model, sample_values=False)
     with torch.no_grad():
@@ -306,7 +306,7 @@ def test_graphs_captured_after_freezing_are_frozen_too(how):
 
 def test_training_calls_of_a_frozen_part_cast_the_weights_as_before():
     x = torch.randn(4, 16)
-    model = amp_compiler.freeze(amp_compiler.convert(mlp().train(), "O1", dtype=BF16, inplace=True))
+    model = amp_compiler.freeze(amp_compiler.convert(mlp().train(), "O1", dtype=BF16, inplace=True, capture="parts"))
     model(x).sum().backward()   # a train-mode graph: its copies are not used, the gradients reach the weights
     assert amp_compiler.frozen_bytes(model) == 0 and model[0].weight.grad is not None
 
@@ -325,7 +325,7 @@ def tiny_llama():
 def test_llama_explain_names_the_cache_taking_parts_and_the_graphs(tmp_path):
     model = tiny_llama()
     ids = torch.randint(0, 128, (2, 5))
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")
     with torch.no_grad():   # generate() passes a DynamicCache: the levels that get it run as written
         model.generate(ids, max_new_tokens=2, do_sample=False)
     report = amp_compiler.explain(model)
@@ -348,7 +348,7 @@ def test_llama_frozen_generates_the_same_tokens_and_compare_and_verify_run():
     model = tiny_llama()
     fp32 = copy.deepcopy(model)
     ids = torch.randint(0, 128, (2, 5))
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")
     with torch.no_grad():
         unfrozen = model.generate(ids, max_new_tokens=4, do_sample=False)
         amp_compiler.freeze(model)

@@ -56,7 +56,7 @@ def stack(count=4, seed=0, **block_options):
 def converted(model, reuse_on=True, monkeypatch=None, **options):
     if not reuse_on:
         monkeypatch.setattr(reuse, "signature", lambda *args: None)
-    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, **options)
+    amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts", **options)
     return model
 
 

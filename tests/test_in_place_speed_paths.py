@@ -57,7 +57,7 @@ class Net(nn.Module):
 
 def frozen_net(seed: int = 0, packed: bool = False):
     torch.manual_seed(seed)
-    model = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True, freeze=True)
+    model = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True, capture="parts", freeze=True)
     return (pack_linears(model) if packed else model), torch.randn(3, 16)
 
 
@@ -68,7 +68,7 @@ def graph_count(model) -> int:
 def fresh_output(model, x):
     """What the model's current weights give converted afresh (no copies kept: cast on this call)."""
     fresh = amp_compiler.convert(copy.deepcopy(amp_compiler.restore(copy.deepcopy(model))), "O1", dtype=BF16,
-                                 inplace=True)
+                                 inplace=True, capture="parts")
     with torch.inference_mode():
         return fresh(x, State())
 
@@ -144,7 +144,7 @@ def test_a_part_called_on_its_own_checks_the_values_too():
     with torch.inference_mode():
         out = block(x, State())
     reference = amp_compiler.convert(copy.deepcopy(amp_compiler.restore(copy.deepcopy(model)).blocks[0]), "O1",
-                                     dtype=BF16, inplace=True)
+                                     dtype=BF16, inplace=True, capture="parts")
     with torch.inference_mode():
         assert torch.equal(out, reference(x, State()))
 
@@ -165,7 +165,7 @@ def test_a_call_that_raises_leaves_the_next_call_checked():
 def test_frozen_parts_not_checked_together_check_themselves():
     """freeze(model, sample_values=False): no comparison at all (identity, version, storage only)."""
     torch.manual_seed(0)
-    model, x = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True), torch.randn(3, 16)
+    model, x = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True, capture="parts"), torch.randn(3, 16)
     amp_compiler.freeze(model, sample_values=False)
     with torch.inference_mode():
         model(x, State())
@@ -228,7 +228,7 @@ def test_packed_linears_compute_as_written_while_training_and_with_fp32_inputs()
         packed(x, State())
     packed.train()
     reference = amp_compiler.convert(copy.deepcopy(amp_compiler.restore(copy.deepcopy(packed))), "O1", dtype=BF16,
-                                     inplace=True)
+                                     inplace=True, capture="parts")
     out = packed(x, State())
     assert out.requires_grad and torch.equal(out, reference(x, State()))
     weight = packed.head.weight
@@ -236,7 +236,7 @@ def test_packed_linears_compute_as_written_while_training_and_with_fp32_inputs()
 
 
 def test_pack_linears_refuses_a_model_without_frozen_copies():
-    model = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True)
+    model = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True, capture="parts")
     with pytest.raises(TypeError, match="freeze"):
         pack_linears(model)
     with pytest.raises(TypeError, match="freeze"):

@@ -75,7 +75,7 @@ def test_fragments_match_whole_dotted_components():
 
 def test_in_place_conversion_keeps_the_listed_modules_fp32():
     model = KeepsWo().eval()
-    convert(model, "O2", inplace=True, example_inputs=(torch.randn(2, WIDTH),), dtype=torch.float16)
+    convert(model, "O2", inplace=True, capture="parts", example_inputs=(torch.randn(2, WIDTH),), dtype=torch.float16)
     graphs = [graph.gm for part in in_place_conversion(model).parts.values() for call in part.graphs.values()
               for graph in call]
     linears = {path.rsplit("inner.", 1)[-1]: amp["precision"] for gm in graphs for path, amp in _linears(gm).items()}

@@ -149,7 +149,7 @@ def test_forward_overflow_names_the_linear_node_and_its_module_path():
         up = reference.layers[1].up(h)
     assert torch.isfinite(reference(x)).all() and up.abs().max() > FP16_MAX
 
-    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True)
+    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True, capture="parts")
     replay_of(model, x)()    # the step that overflowed: .grad now holds its (non-finite) gradients
     before = snapshot(model)
     report = locate_overflow(model, replay_of(model, x))
@@ -171,7 +171,7 @@ def test_replay_leaves_grads_buffers_and_graphs_as_they_were():
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
     with torch.no_grad():
         model[2].weight.fill_(PLANTED * 100)
-    amp_compiler.convert(model, "O1", dtype=torch.float16, inplace=True)
+    amp_compiler.convert(model, "O1", dtype=torch.float16, inplace=True, capture="parts")
     x = torch.randn(4, 8)
     replay_of(model, x)()
     for p in model.parameters():
@@ -190,7 +190,7 @@ def test_replay_leaves_grads_buffers_and_graphs_as_they_were():
 
 
 def test_a_plain_loop_with_grad_scaler_records_where_its_skipped_step_overflowed():
-    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True)
+    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True, capture="parts")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = GradScaler("cpu", init_scale=2.0 ** 4)
     x = inputs()
@@ -223,7 +223,7 @@ class Wrapper(nn.Module):
 
 
 def test_a_converted_child_of_the_model_passed_reports_paths_in_the_outer_model():
-    net = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True)
+    net = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True, capture="parts")
     model = Wrapper(net)
     x = inputs()
     replay_of(model, x)()
@@ -237,7 +237,7 @@ def test_a_converted_child_of_the_model_passed_reports_paths_in_the_outer_model(
 # --- (2) backward-only overflow -------------------------------------------------------------------------
 def test_backward_only_overflow_from_a_huge_loss_scale_names_the_node_nearest_the_loss():
     torch.manual_seed(0)
-    model = amp_compiler.convert(MLP(), "O1", dtype=torch.float16, inplace=True)
+    model = amp_compiler.convert(MLP(), "O1", dtype=torch.float16, inplace=True, capture="parts")
     x = torch.randn(2, 8)
     scale = 1e6   # finite in fp32; the output's gradient passes 65504 when the head's cast sends it to fp16
     assert torch.isfinite(model(x)).all() and scale > FP16_MAX
@@ -252,7 +252,7 @@ def test_backward_only_overflow_from_a_huge_loss_scale_names_the_node_nearest_th
 
 
 def test_custom_function_with_an_inf_gradient_names_the_node_before_it():
-    model = amp_compiler.convert(Branchy("gradient"), "O1", dtype=torch.float16, inplace=True)
+    model = amp_compiler.convert(Branchy("gradient"), "O1", dtype=torch.float16, inplace=True, capture="parts")
     x = inputs()
     replay_of(model, x)()
     report = locate_overflow(model, replay_of(model, x))
@@ -265,7 +265,7 @@ def test_custom_function_with_an_inf_gradient_names_the_node_before_it():
 
 # --- (3) a part run as written: module-level findings --------------------------------------------------
 def test_a_module_run_as_written_is_named_at_module_granularity():
-    model = amp_compiler.convert(Branchy("module"), "O1", dtype=torch.float16, inplace=True)
+    model = amp_compiler.convert(Branchy("module"), "O1", dtype=torch.float16, inplace=True, capture="parts")
     x = inputs()
     replay_of(model, x)()
     parts = in_place_conversion(model).parts
@@ -279,7 +279,7 @@ def test_a_module_run_as_written_is_named_at_module_granularity():
 
 
 def test_the_own_code_of_a_module_run_as_written_is_named_by_the_input_it_passes_on():
-    model = amp_compiler.convert(Branchy("own code"), "O1", dtype=torch.float16, inplace=True)
+    model = amp_compiler.convert(Branchy("own code"), "O1", dtype=torch.float16, inplace=True, capture="parts")
     x = inputs()
     replay_of(model, x)()
     report = locate_overflow(model, replay_of(model, x))
@@ -302,7 +302,7 @@ def test_a_plain_module_gets_module_hooks():
 
 def test_a_non_finite_batch_is_named_as_the_model_input():
     torch.manual_seed(0)
-    model = amp_compiler.convert(MLP(), "O1", dtype=torch.float16, inplace=True)
+    model = amp_compiler.convert(MLP(), "O1", dtype=torch.float16, inplace=True, capture="parts")
     x = torch.randn(2, 8)
     x[0, 0] = float("nan")
     report = locate_overflow(model, replay_of(model, x))
@@ -315,7 +315,7 @@ def test_a_non_finite_batch_is_named_as_the_model_input():
 # --- (4) a clean step -----------------------------------------------------------------------------------
 def test_a_clean_step_reports_nothing_and_changes_nothing():
     torch.manual_seed(0)
-    model = amp_compiler.convert(MLP(), "O1", dtype=torch.float16, inplace=True)
+    model = amp_compiler.convert(MLP(), "O1", dtype=torch.float16, inplace=True, capture="parts")
     x = torch.randn(2, 8)
     replay_of(model, x)()
     before = snapshot(model)
@@ -368,7 +368,7 @@ def test_an_intended_minus_inf_mask_is_not_the_overflow(monkeypatch):
 
 # --- robustness ---------------------------------------------------------------------------------------
 def test_a_failing_check_reports_what_was_found_and_restores_the_model(monkeypatch):
-    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True)
+    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True, capture="parts")
     x = inputs()
     replay_of(model, x)()
     before = snapshot(model)
@@ -395,7 +395,7 @@ def _broken(values):
 
 
 def test_a_replay_that_raises_is_reported_not_raised():
-    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True)
+    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True, capture="parts")
     x = inputs()
     model(x)
 

@@ -52,6 +52,7 @@ class InPlaceConversion:
     reused: int = 0               # graphs bound from a template instead of captured (reuse.py)
     fp8_histories: object = None  # fp8 delayed scaling: the amax histories, in the model's state_dict
     warned_low_parameters: bool = False   # the model was made fp16/bf16 after converting: said once
+    why_parts: str = ""           # convert() chose this capture over dynamo's (the report's notes say why)
 
     def before_outermost_call(self) -> None:
         """Once per model call, before any part runs: the frozen copies whose weights' values changed go; a model
@@ -262,14 +263,14 @@ def _freeze_graph(gm, training: bool, conversion: InPlaceConversion) -> None:
 
 
 def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None, calibration_data=None,
-                     freeze: bool = False) -> nn.Module:
+                     freeze: bool = False, why_parts: str = "") -> nn.Module:
     if isinstance(model, nn.Module):
         from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
         if compiled_state(model) is not None:
             raise ValueError(f"{type(model).__name__} is compiled by amp_compiler (capture='dynamo' or "
                              "amp_compiler.compile): call amp_compiler.restore(model) first to convert it with parts")
     refuse_in_place_request(model, example_inputs)
-    conversion = InPlaceConversion(model, config, freeze)
+    conversion = InPlaceConversion(model, config, freeze, why_parts=why_parts)
     if config.fp8 is not None and config.fp8.scaling == "delayed":
         conversion.fp8_histories = Fp8HistoryStore(model)
     if calibration_data is not None:
