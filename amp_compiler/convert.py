@@ -87,7 +87,7 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     if inplace and dynamic_shapes is not None:
         raise ValueError("dynamic_shapes does not apply to inplace=True: the model is captured on the calls it gets, "
                          "and captured shape-generic again when a call's shapes need it")
-    why_parts = ""
+    why_parts, chose_dynamo = "", capture is None
     if inplace and capture is None:
         capture, why_parts = default_capture(config, calibration_data)
     if weight_cache is not None and capture != "dynamo":
@@ -95,7 +95,8 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
                          "elsewhere freeze=True keeps low weight copies")
     if capture == "dynamo":
         return _convert_on_dynamo(model, config, level, example_inputs, dynamic_shapes, calibration_data, overrides,
-                                  weight_cache=True if weight_cache is None else weight_cache)
+                                  weight_cache=True if weight_cache is None else weight_cache,
+                                  parts_when_sharded=chose_dynamo)
     with collector_paused():
         return _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace,
                         overrides, why_parts)
@@ -127,8 +128,8 @@ def default_capture(config: AmpConfig, calibration_data) -> tuple[str, str]:
 
 
 def _convert_on_dynamo(model, config, level, example_inputs, dynamic_shapes, calibration_data, overrides, *,
-                       weight_cache: bool = True) -> nn.Module:
-    from amp_compiler.dynamo.compile import compile as compile_on_dynamo   # the dynamo package imports this module
+                       weight_cache: bool = True, parts_when_sharded: bool = False) -> nn.Module:
+    from amp_compiler.dynamo.compile import compile as compile_on_dynamo, compiled_state   # it imports this module
     from amp_compiler.in_place.conversion import capture_now, refuse_in_place_request
     not_yet = needs_parts(config, calibration_data)
     if not_yet:
@@ -136,6 +137,8 @@ def _convert_on_dynamo(model, config, level, example_inputs, dynamic_shapes, cal
                          "(the default where a request needs it) for it")
     refuse_in_place_request(model, example_inputs)
     compile_on_dynamo(model, level, backend="eager", weight_cache=weight_cache, **overrides)
+    # the default capture: a model sharded with FSDP2 per block before its first call goes to the parts (compile.py)
+    compiled_state(model).options["parts_when_sharded"] = parts_when_sharded
     capture_now(model, example_inputs)
     return model
 

@@ -199,3 +199,24 @@ def assert_trained_like_one_process(model, reference, initial):
 
 def test_converted_in_place_then_sharded_per_block_trains_like_one_process():
     run_on_two_ranks(check_in_place_then_sharded_per_block)
+
+
+def check_default_capture_hands_a_per_block_sharded_model_to_the_parts(rank):
+    import amp_compiler
+    reference = converted_in_place("O2")
+    initial = [p.detach().clone() for p in reference.parameters()]
+    train(reference, [global_batch(step) for step in range(STEPS)])
+    torch.manual_seed(0)
+    model = shard(convert(BlockNet(), "O2", dtype=torch.bfloat16, inplace=True), per_block=True)   # the default
+    train(model, [batch(rank, step) for step in range(STEPS)])
+    notes = amp_compiler.explain(model).summary["notes"]
+    assert any("not with TorchDynamo: its submodule blocks.0 is sharded with FSDP2" in note for note in notes), notes
+    assert_trained_like_one_process(model, reference, initial)   # dynamo's whole-model graph was 20% off, silently
+    torch.manual_seed(0)
+    explicit = shard(convert(BlockNet(), "O2", dtype=torch.bfloat16, inplace=True, capture="dynamo"), per_block=True)
+    with pytest.raises(ValueError, match="capture='parts'"):
+        explicit(batch(rank, 0)[0])
+
+
+def test_the_default_capture_hands_a_model_sharded_per_block_to_the_parts():
+    run_on_two_ranks(check_default_capture_hands_a_per_block_sharded_model_to_the_parts)

@@ -80,8 +80,33 @@ def _run(forward: CompiledForward, args: tuple, kwargs: dict):
     if _get_current_dispatch_mode() is not None or forward.not_captured is not None:
         return _under_autocast(forward, args, kwargs)
     if not forward.converter.graphs and not forward.converter.fallbacks:   # until a graph is made: did dynamo skip?
+        sharded = _sharded_submodule(forward.model)
+        if sharded is not None:
+            return _sharded_call(forward, sharded, args, kwargs)
         return _first_calls(forward, args, kwargs)
     return _compiled_call(forward, args, kwargs)
+
+
+def _sharded_submodule(model: nn.Module) -> str | None:
+    from amp_compiler.in_place.conversion import fsdp_sharded_submodule   # in_place imports this package
+    return fsdp_sharded_submodule(model)
+
+
+def _sharded_call(forward: CompiledForward, sharded: str, args: tuple, kwargs: dict):
+    """A model whose blocks FSDP2 shards (fully_shard per block, after converting): dynamo's graph of the whole model
+    does not follow FSDP's per-block hooks (measured: trained 20% off the one-process run, silently). convert()'s
+    default capture hands such a model to the parts capture, which runs each sharded block as a graph of its own
+    inside FSDP's unshard and reshard (the report's note says so); an explicit capture='dynamo' is refused."""
+    model = forward.model
+    why = (f"its submodule {sharded} is sharded with FSDP2 (fully_shard), whose per-block hooks TorchDynamo's capture "
+           "does not follow yet")
+    if not forward.options.get("parts_when_sharded"):
+        raise ValueError(f"amp_compiler: {type(model).__name__} runs on TorchDynamo's capture, but {why}: convert it "
+                         "with capture='parts' (or leave capture out), then shard it")
+    from amp_compiler.in_place.conversion import convert_in_place   # in_place imports this package
+    restore_compiled(model)
+    convert_in_place(model, forward.config, why_parts=f"captured in parts, not with TorchDynamo: {why}")
+    return model.forward(*args, **kwargs)
 
 
 def _first_calls(forward: CompiledForward, args: tuple, kwargs: dict):

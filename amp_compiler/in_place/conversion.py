@@ -98,7 +98,7 @@ class InPlaceConversion:
     def capture(self, part: Part, args: tuple, kwargs: dict, tensors: list) -> Graph:
         """Capture `part.module` called as (args, kwargs) and compile it with this conversion's config, or bind
         the graph of a structurally identical block captured before to this part's own modules (reuse.py)."""
-        sharded = _fsdp_sharded_submodule(part.module)
+        sharded = fsdp_sharded_submodule(part.module)
         if sharded:   # one graph would inline it: FSDP2's hooks would never gather its parameters
             raise TracingError(f"its submodule {sharded} is sharded with FSDP2 (fully_shard), which gathers the "
                                "parameters around that module's own call: the submodule is a part of its own")
@@ -183,7 +183,7 @@ def _capture_wrapper(part: Part, args: tuple, kwargs: dict, count: int) -> nn.Mo
     return bound_call(inner, args, kwargs, count)
 
 
-def _fsdp_sharded_submodule(module: nn.Module) -> str | None:
+def fsdp_sharded_submodule(module: nn.Module) -> str | None:
     """The path of a module below `module` that FSDP2's fully_shard manages, if any (the part itself may be one:
     FSDP's hooks around the part's call gather its parameters into the dicts its graph reads)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")   # not imported: nothing can be sharded
