@@ -68,13 +68,14 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     input tuples; the fp32 model runs on each and nodes whose values the low dtype cannot hold stay fp32.
     `freeze=True`: inference calls read low-precision weight copies made once (amp_compiler.freeze).
     `inplace=True`: the model itself is converted and returned (same class, methods, forward signature and
-    state_dict); its parts are captured on their first calls (in_place/conversion.py), example_inputs optional.
+    state_dict); it is captured on its first calls, example_inputs optional.
     `capture` (inplace=True): "dynamo", the default: TorchDynamo captures the model's calls and the same passes
     convert each graph (amp_compiler.compile(model, level, backend="eager"): generate() with attention low,
     checkpointing recomputed, a weight-cast cache in inference, on by default: freeze=True changes nothing there,
     weight_cache=False turns it off; see amp_compiler/dynamo/). "parts": the model's parts captured with fx or
     torch.export and guarded by amp-compiler (in_place/), the default only where a request needs it
-    (calibration_data, fp8_scaling="delayed"; the report's notes say so).
+    (calibration_data, fp8_scaling="delayed") or the model is sharded with FSDP2 per block before its first call
+    (dynamo/compile.py); the report's notes say why.
     """
     if capture is not None and capture not in CAPTURES:
         raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}; got {capture!r}")
@@ -160,8 +161,9 @@ def collector_paused():
 def _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace, overrides,
              why_parts=""):
     if inplace:
+        # with_model_lists: the parts see the whole model's lists
         return convert_in_place(model, with_model_lists(config, model), example_inputs=example_inputs,
-                                calibration_data=calibration_data, freeze=freeze, why_parts=why_parts)   # parts see the whole model's lists
+                                calibration_data=calibration_data, freeze=freeze, why_parts=why_parts)
     try:
         captured = capture(model, example_inputs, dynamic_shapes)
     except TracingError as error:

@@ -30,7 +30,7 @@ are in the model's state_dict; a Trainer checkpoint keeps them beside "state_dic
 loads "state_dict" before convert_module runs) and on_load_checkpoint puts them back, so a resumed run takes the
 interrupted one's next scales (a checkpoint without them warns).
 
-After the first optimizer step (the parts are captured on their first call) the explain() summary is logged;
+After the first optimizer step (the model is captured on its first call) the explain() summary is logged;
 `report_html="path.html"` writes `amp_compiler.render(model, path)` when training ends (teardown).
 
 Strategies: single device, ddp, ddp_spawn (Trainer and Fabric). FSDP is refused by Lightning itself

@@ -36,7 +36,8 @@ def explain_compiled(model, state) -> PrecisionReport:
                "keep_io_types": config.keep_io_types, "loss_scale_manager": config.loss_scale_manager,
                "leaf_modules": [], "notes": notes or [NOT_CALLED],
                "opaque": {}, "hooks": {}, "training_reads": {},
-               "casts": casts, "pass_counts": {}, "in_place": True, "devices": made[0].meta["amp"].get("devices") if made else None}
+               "casts": casts, "pass_counts": {}, "in_place": True,
+               "devices": made[0].meta["amp"].get("devices") if made else None}
     return PrecisionReport(rows, _totals(rows, casts), summary, islands, warnings=warnings)
 
 
