@@ -258,8 +258,9 @@ def _convert(model: nn.Module, properties: Properties, capture: str | None = Non
         # on dynamo the graphs are captured on calls, after _cast: they read the low weights as the model holds
         # them, so the model's code meets its inputs in the weights' dtype, as Apex's patched forward casts them
         # (`x * self.scale` then a conv: an fp32 input and low weights fail in dynamo's trace as in eager)
-        model.register_forward_pre_hook(_InputsCast(properties.low_dtype), with_kwargs=True)
-        model.register_forward_hook(_outputs_fp32)   # the parts capture's outputs: fp32, as cast_model_outputs
+        compiled_state(model).undo = (   # amp_compiler.restore(model) removes them
+            model.register_forward_pre_hook(_InputsCast(properties.low_dtype), with_kwargs=True),
+            model.register_forward_hook(_outputs_fp32))   # the parts capture's outputs: fp32, as cast_model_outputs
 
 
 def _weights_to_cast(model: nn.Module, properties: Properties) -> list[torch.Tensor]:

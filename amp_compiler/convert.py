@@ -117,7 +117,11 @@ def needs_parts(config: AmpConfig, calibration_data) -> list[str]:
 def chosen_capture(level: str, capture: str | None = None, calibration_data=None, **overrides) -> str:
     """The capture convert(model, level, inplace=True, capture=capture, ...) takes (an integration that calls
     something else for dynamo's, e.g. a LightningModule's children, asks it first)."""
-    return capture or default_capture(make_config(level, **overrides), calibration_data)[0]
+    config_options = {name: value for name, value in overrides.items() if name not in CONVERT_ONLY}
+    return capture or default_capture(make_config(level, **config_options), calibration_data)[0]
+
+
+CONVERT_ONLY = ("weight_cache", "example_inputs", "freeze", "dynamic_shapes")   # convert()'s, not the level's
 
 
 def default_capture(config: AmpConfig, calibration_data) -> tuple[str, str]:

@@ -99,6 +99,11 @@ class AmpTraining:
             if _is_lightning_module(module) and chosen_capture(self.level, dtype=self.dtype, **options) == "dynamo":
                 # training_step calls the children, never the LightningModule's forward: each child is compiled
                 options.pop("capture", None)
+                options.pop("freeze", None)   # dynamo's weight cache is the freeze
+                if "example_inputs" in options:
+                    raise ValueError("example_inputs are the LightningModule's, whose forward training_step does not "
+                                     "call: on TorchDynamo's capture its children are captured on their first calls; "
+                                     "pass capture='parts' to capture with example inputs")
                 compile_children(module, self.level, backend="eager", dtype=self.dtype, **options)
             else:
                 amp_compiler.convert(module, self.level, inplace=True, dtype=self.dtype, **options)

@@ -212,6 +212,15 @@ def test_o2_on_dynamo_runs_a_model_whose_code_mixes_its_input_with_a_low_weight(
     assert (out - expected).abs().max() <= 0.05 * expected.abs().max()
 
 
+def test_restore_removes_the_input_and_output_casts_of_o2_on_dynamo():
+    model = TinyNet()
+    amp_compiler.initialize(model, torch.optim.SGD(model.parameters(), lr=1), opt_level="O2",
+                            cast_model_type=torch.bfloat16, verbosity=0)
+    assert model(torch.randn(5, 4)).dtype == torch.float32 and model._forward_pre_hooks and model._forward_hooks
+    amp_compiler.restore(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
 @pytest.mark.parametrize("model_class", [TinyNet, ConvBnModel])
 def test_o2_graph_is_convert_s_and_its_weight_casts_are_no_ops(model_class):
     """The graph is the one the compiler's O2 builds for the fp32 model (captures see fp32 weights); at run

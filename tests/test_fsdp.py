@@ -207,7 +207,11 @@ def check_default_capture_hands_a_per_block_sharded_model_to_the_parts(rank):
     initial = [p.detach().clone() for p in reference.parameters()]
     train(reference, [global_batch(step) for step in range(STEPS)])
     torch.manual_seed(0)
-    model = shard(convert(BlockNet(), "O2", dtype=torch.bfloat16, inplace=True), per_block=True)   # the default
+    # the default capture, with a graph made before sharding (example_inputs: one call at conversion)
+    model = convert(BlockNet(), "O2", dtype=torch.bfloat16, inplace=True, example_inputs=(batch(rank, 0)[0],))
+    from amp_compiler.dynamo import graphs
+    assert len(graphs(model)) == 1
+    model = shard(model, per_block=True)
     train(model, [batch(rank, step) for step in range(STEPS)])
     notes = amp_compiler.explain(model).summary["notes"]
     assert any("not with TorchDynamo: its submodule blocks.0 is sharded with FSDP2" in note for note in notes), notes

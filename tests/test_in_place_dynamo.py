@@ -313,3 +313,11 @@ def test_weight_cache_can_be_turned_off_and_parts_refuse_a_compiled_model():
         amp_compiler.convert(model, "O1", inplace=True, capture="parts")   # would leave the compilation behind restore
     with pytest.raises(ValueError, match="weight_cache is an option of capture='dynamo'"):
         amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, capture="parts", weight_cache=False)
+
+
+def test_an_integration_asks_which_capture_convert_takes_with_its_own_options():
+    from amp_compiler.convert import chosen_capture
+    assert chosen_capture("O1", dtype=torch.bfloat16, weight_cache=False, freeze=True) == "dynamo"
+    assert chosen_capture("O1", calibration_data=[(torch.randn(2, 16),)]) == "parts"
+    assert chosen_capture("fp8", fp8_scaling="delayed") == "parts"
+    assert chosen_capture("O1", capture="parts") == "parts"

@@ -67,6 +67,7 @@ class CompiledForward:
 
     warned_dispatch_mode = False
     not_captured: str | None = None   # why dynamo made no graph of the model: it runs under autocast
+    undo: tuple = ()   # hook handles removed by restore (an integration's: Apex O2's casts)
 
     def __call__(self, *args, **kwargs):
         return _run(self, args, kwargs)
@@ -79,10 +80,10 @@ class CompiledForward:
 def _run(forward: CompiledForward, args: tuple, kwargs: dict):
     if _get_current_dispatch_mode() is not None or forward.not_captured is not None:
         return _under_autocast(forward, args, kwargs)
+    sharded = _sharded_submodule(forward.model)   # None at once unless torch.distributed.fsdp is imported
+    if sharded is not None:
+        return _sharded_call(forward, sharded, args, kwargs)
     if not forward.converter.graphs and not forward.converter.fallbacks:   # until a graph is made: did dynamo skip?
-        sharded = _sharded_submodule(forward.model)
-        if sharded is not None:
-            return _sharded_call(forward, sharded, args, kwargs)
         return _first_calls(forward, args, kwargs)
     return _compiled_call(forward, args, kwargs)
 
@@ -93,16 +94,19 @@ def _sharded_submodule(model: nn.Module) -> str | None:
 
 
 def _sharded_call(forward: CompiledForward, sharded: str, args: tuple, kwargs: dict):
-    """A model whose blocks FSDP2 shards (fully_shard per block, after converting): dynamo's graph of the whole model
-    does not follow FSDP's per-block hooks (measured: trained 20% off the one-process run, silently). convert()'s
-    default capture hands such a model to the parts capture, which runs each sharded block as a graph of its own
-    inside FSDP's unshard and reshard (the report's note says so); an explicit capture='dynamo' is refused."""
+    """A model whose blocks FSDP2 shards (fully_shard per block, after converting, before or after its first calls):
+    dynamo's graph of the whole model does not follow FSDP's per-block hooks (measured: trained 20% off the
+    one-process run, silently). convert()'s default capture hands such a model to the parts capture, which runs each
+    sharded block as a graph of its own inside FSDP's unshard and reshard (the report's note says so); an explicit
+    capture='dynamo', or a model whose weights are already low (Apex O2/O3, model.half()), is refused, unchanged."""
     model = forward.model
     why = (f"its submodule {sharded} is sharded with FSDP2 (fully_shard), whose per-block hooks TorchDynamo's capture "
            "does not follow yet")
-    if not forward.options.get("parts_when_sharded"):
-        raise ValueError(f"amp_compiler: {type(model).__name__} runs on TorchDynamo's capture, but {why}: convert it "
-                         "with capture='parts' (or leave capture out), then shard it")
+    low = any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters())
+    if not forward.options.get("parts_when_sharded") or low:
+        raise ValueError(f"amp_compiler: {type(model).__name__} runs on TorchDynamo's capture, but {why}: convert the "
+                         "fp32 model with capture='parts' (amp_compiler.initialize(..., capture='parts') for Apex's "
+                         "levels), then shard it")
     from amp_compiler.in_place.conversion import convert_in_place   # in_place imports this package
     restore_compiled(model)
     convert_in_place(model, forward.config, why_parts=f"captured in parts, not with TorchDynamo: {why}")
@@ -229,6 +233,8 @@ def restore_compiled(model: nn.Module) -> nn.Module:
         return model
     model.__dict__.pop("forward", None)
     forget_graphs(model)
+    for handle in state.undo:   # hooks an integration added for this capture (Apex O2's input and output casts)
+        handle.remove()
     if state.own_forward is not None:
         model.__dict__["forward"] = state.own_forward
     return model
