@@ -95,7 +95,7 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
         raise ValueError("weight_cache is an option of capture='dynamo' (whose weight cache is on by default); "
                          "elsewhere freeze=True keeps low weight copies")
     if capture == "dynamo":
-        return _convert_on_dynamo(model, config, level, example_inputs, dynamic_shapes, calibration_data, overrides,
+        return _convert_on_dynamo(model, config, level, example_inputs, calibration_data, overrides,
                                   weight_cache=True if weight_cache is None else weight_cache,
                                   parts_when_sharded=chose_dynamo)
     with collector_paused():
@@ -132,7 +132,7 @@ def default_capture(config: AmpConfig, calibration_data) -> tuple[str, str]:
     return "parts", f"captured in parts, not with TorchDynamo: {' and '.join(needed)} needs it"
 
 
-def _convert_on_dynamo(model, config, level, example_inputs, dynamic_shapes, calibration_data, overrides, *,
+def _convert_on_dynamo(model, config, level, example_inputs, calibration_data, overrides, *,
                        weight_cache: bool = True, parts_when_sharded: bool = False) -> nn.Module:
     from amp_compiler.dynamo.compile import compile as compile_on_dynamo, compiled_state   # it imports this module
     from amp_compiler.in_place.conversion import capture_now, refuse_in_place_request

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import types
 import warnings
 
@@ -92,9 +91,9 @@ def _run(forward: CompiledForward, args: tuple, kwargs: dict):
 def _sharded_submodule(model: nn.Module, made_graphs: bool) -> str | None:
     """A block of `model` FSDP2 shards. Until a graph is made, every module is looked at (0.5 ms on a 32-layer
     Llama); after, only whether the root is sharded too (as FSDP2's recipe does last), so a decode step pays 1 us."""
-    from amp_compiler.in_place.conversion import fsdp_sharded_submodule   # in_place imports this package
+    from amp_compiler.in_place.conversion import fsdp_module_type, fsdp_sharded_submodule   # it imports this package
     if made_graphs:
-        sharded_type = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+        sharded_type = fsdp_module_type()
         if sharded_type is None or not isinstance(model, sharded_type):
             return None
     return fsdp_sharded_submodule(model)
@@ -109,8 +108,8 @@ def _sharded_call(forward: CompiledForward, sharded: str, args: tuple, kwargs: d
     model = forward.model
     why = (f"its submodule {sharded} is sharded with FSDP2 (fully_shard), whose per-block hooks TorchDynamo's capture "
            "does not follow yet")
-    low = any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters())
-    if not forward.options.get("parts_when_sharded") or low:
+    from amp_compiler.frontend.capture import low_parameter_dtypes
+    if not forward.options.get("parts_when_sharded") or low_parameter_dtypes(model):
         raise ValueError(f"amp_compiler: {type(model).__name__} runs on TorchDynamo's capture, but {why}: convert the "
                          "fp32 model with capture='parts' (amp_compiler.initialize(..., capture='parts') for Apex's "
                          "levels), then shard it")

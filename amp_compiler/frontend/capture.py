@@ -183,9 +183,14 @@ def _export_fallback(model, example_inputs, dynamic_shapes, fx_error, notes) -> 
         raise export_failure(model, fx_error, export_error) from export_error
 
 
+def low_parameter_dtypes(model: nn.Module) -> list[str]:
+    """The fp16/bf16 dtypes among the model's parameters (an fp32 model: none)."""
+    return sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
+
+
 def refuse_low_parameters(model: nn.Module) -> None:
     """Mixed precision starts from an fp32 model: its fp32 parameters stay the masters."""
-    low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
+    low = low_parameter_dtypes(model)
     if low:
         raise ValueError(f"{type(model).__name__} has {', '.join(low)} parameters: mixed precision starts from "
                          "an fp32 model (the fp32 parameters stay the masters). Call model.float() first.")

@@ -183,11 +183,16 @@ def _capture_wrapper(part: Part, args: tuple, kwargs: dict, count: int) -> nn.Mo
     return bound_call(inner, args, kwargs, count)
 
 
+def fsdp_module_type() -> type | None:
+    """FSDP2's FSDPModule (what fully_shard makes a module), or None when torch.distributed.fsdp is not imported:
+    then nothing can be sharded."""
+    return getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+
+
 def fsdp_sharded_submodule(module: nn.Module) -> str | None:
     """The path of a module below `module` that FSDP2's fully_shard manages, if any (the part itself may be one:
     FSDP's hooks around the part's call gather its parameters into the dicts its graph reads)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")   # not imported: nothing can be sharded
-    sharded_type = getattr(fsdp, "FSDPModule", None)
+    sharded_type = fsdp_module_type()
     if sharded_type is None:
         return None
     return next((path for path, child in module.named_modules() if path and isinstance(child, sharded_type)), None)
