@@ -262,16 +262,46 @@ def test_a_model_dynamo_makes_no_graph_of_runs_under_autocast_after_saying_so():
     assert "fallback: TorchDynamo captured no graph" in str(amp_compiler.explain(model))
 
 
-def test_render_draws_every_graph_and_compare_verify_refuse_by_name(tmp_path):
+def test_render_draws_every_graph_and_verify_checks_them(tmp_path):
     model, x = DataDependent(), torch.randn(2, 8)
     convert(model)
     model(x)
     path = amp_compiler.render(model, tmp_path / "model.html")
     text = open(path).read()
     assert "first" in text and "second" in text   # both graphs' modules
-    with pytest.raises(ValueError, match="compare\\(\\) does not take a model on TorchDynamo's capture"):
-        amp_compiler.compare(DataDependent(), model, (x,))
     amp_compiler.verify(model, x)   # every graph's dtypes as recorded
+
+
+@pytest.mark.parametrize("separate_reference", [False, True])
+def test_compare_replays_every_graph_a_call_runs_and_measures_the_outputs_against_fp32(separate_reference):
+    import copy
+    torch.manual_seed(0)
+    model, x = DataDependent(), torch.randn(2, 8)
+    fp32 = copy.deepcopy(model)
+    convert(model)   # compare's own first call captures the graphs (a graph break: two)
+    report = amp_compiler.compare(fp32 if separate_reference else model, model, (x,))
+    with torch.no_grad():
+        expected = (model(x).double() - fp32(x).double()).abs().max().item()
+    assert len(report.outputs) == 1 and report.outputs[0].max_abs == pytest.approx(expected) and expected > 0
+    assert {e.module for e in report.errors if e.op == "linear"} == {"first", "second"}   # both graphs' linears
+    assert {e.node.split(":")[0] for e in report.errors} == {"graph 1", "graph 2"}
+    assert report.passed and len(graphs(model)) == 2   # running the model as written recompiled nothing
+    strict = amp_compiler.compare(model, model, (x,), rtol=1e-9)
+    assert not strict.passed and strict.first_failure.node.startswith("graph 1: ")   # graphs in call order
+    assert strict.chain[-1] is strict.first_failure
+
+
+def test_compare_of_a_llama_on_dynamo_names_its_attention_and_inductor_graphs_are_refused():
+    model, ids = tiny_llama(), torch.randint(0, 128, (2, 6))
+    convert(model)
+    report = amp_compiler.compare(model, model, (ids,))
+    assert report.passed, report
+    attention = [e for e in report.errors if e.op == "scaled_dot_product_attention"]
+    assert {e.module for e in attention} == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    assert {e.dtype for e in attention} == {"bfloat16"}
+    compiled = amp_compiler.compile(DataDependent(), "O1", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="compare\\(\\) replays graphs run as fx code"):
+        amp_compiler.compare(DataDependent(), compiled, (torch.randn(2, 8),))
 
 
 def test_verify_names_the_graph_whose_dtype_is_not_the_recorded_one():

@@ -3,9 +3,15 @@
 Each graph dynamo made is listed in the summary's notes, in the order it was made: its compile id ("frame/attempt":
 an attempt after the first is a recompile, for new shapes, flags or guards), its size, and the graph break that ended
 it with dynamo's reason and the user's line. Rows are every graph's nodes (a prefill and a decode graph both show
-their attention).
+their attention). compare(model) replays each graph a call runs in fp32 on the tensors it received; verify(model)
+checks each graph's dtypes on them.
 """
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from torch import nn
 
 from amp_compiler.dynamo.compile import CompiledForward, compiled_graphs, compiled_state
 from amp_compiler.insight.report import PrecisionReport, _totals, explain
@@ -102,3 +108,76 @@ def verify_compiled(model, inputs: tuple, kwargs: dict) -> None:
         gm, error = failures[0]
         index = next(i for i, (_, made_gm, _) in enumerate(made, 1) if made_gm is gm)
         raise type(error)(f"{graph_line(index, gm)}: {error}") from error
+
+
+# -- compare ------------------------------------------------------------------------------------------------
+def compare_compiled(reference: nn.Module, model: nn.Module, inputs: tuple, rtol: float | None):
+    """compare(reference, model, inputs) for a model on dynamo's capture: each graph the call runs, node by node,
+    against its fp32 replay (casts as identities) on the tensors it received, in call order; the outputs against
+    `reference` run as written in fp32 (`model` itself as written when it is `reference`). A graph after a graph
+    break receives what the converted code before it computed: its nodes carry their own error, not that before."""
+    import torch
+
+    from amp_compiler.insight import compare as cmp
+    forwards = _forwards(model, compiled_state(model))
+    if any(forward.options["backend"] != "eager" for forward in forwards):
+        raise ValueError("compare() replays graphs run as fx code; this model's graphs run as inductor kernels: "
+                         "compare a convert(model, inplace=True) copy instead")
+    calls = []
+    with cmp._eval_mode(reference, model), torch.no_grad():
+        cmp._run_model(model, inputs)   # captures the graphs these inputs need (eval, no grad are guarded)
+        made = [gm for _, gm, _ in compiled_graphs(model)]
+        handles = [gm.register_forward_pre_hook(
+            lambda gm, args: calls.append((gm, tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a
+                                                      for a in args)))) for gm in made]
+        try:
+            candidate_out = cmp._run_model(model, inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        with running_as_written(model if reference is model else None):
+            reference_out = cmp._run_model(reference, inputs)
+        low = forwards[0].config.low_dtype_name if forwards else "float16"
+        rtol, rtol_from = (rtol, "") if rtol is not None else \
+            cmp.default_rtol(*made) if made else (cmp.DEFAULT_RTOL.get(low, 1e-2), f"{low} default")
+        per_call = [_graph_errors(made.index(gm) + 1, gm, args, low, rtol) for gm, args in calls]
+    outputs = [cmp._node_error(None, c, r, low, rtol, name=f"output[{i}]")
+               for i, (c, r) in enumerate(zip(cmp._leaves(candidate_out), cmp._leaves(reference_out)))]
+    errors = [error for call in per_call for error in call.values()]
+    notes = [] if len(calls) < 2 else [f"{len(calls)} graph calls: each graph's nodes against its fp32 replay on the "
+                                       "tensors it received (after a graph break, what the converted code computed)"]
+    report = cmp.ComparisonReport(low, rtol, sorted(errors, key=cmp.badness, reverse=True), outputs,
+                                  notes=notes, rtol_from=rtol_from)
+    for call in per_call:   # the first failing node: graphs in call order, nodes in graph order
+        first = next((node for node, error in call.items() if not error.ok), None)
+        if first is not None:
+            report.first_failure, report.chain = call[first], cmp._chain(first, call)
+            break
+    return report
+
+
+def _graph_errors(index: int, gm, args: tuple, low: str, rtol: float) -> dict:
+    """{node: NodeError} of one graph call, each node named with its graph ("graph 2: linear_1")."""
+    from amp_compiler.insight import compare as cmp
+    low_values, _ = cmp._run(gm, args, fp32=False)
+    fp32_values, _ = cmp._run(gm, args, fp32=True, scales=cmp.fp8_scales(gm, low_values))
+    return {node: dataclasses.replace(cmp._node_error(node, low_values[node], fp32_values[node], low, rtol),
+                                      node=f"graph {index}: {node.name}")
+            for node in gm.graph.nodes if node in fp32_values and node in low_values}
+
+
+@contextlib.contextmanager
+def running_as_written(model: nn.Module | None):
+    """Every compiled module of `model` runs its own forward (no dynamo) inside the block; compiled again after."""
+    compiled = [(module, module.__dict__["forward"]) for module in (model.modules() if model is not None else ())
+                if isinstance(compiled_state(module), CompiledForward)]
+    for module, forward in compiled:
+        if forward.own_forward is not None:
+            module.__dict__["forward"] = forward.own_forward
+        else:
+            module.__dict__.pop("forward")
+    try:
+        yield
+    finally:
+        for module, forward in compiled:
+            module.__dict__["forward"] = forward

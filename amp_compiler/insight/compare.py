@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from amp_compiler.frozen import packed_frozen_linear
 from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.insight.graph_decisions import graph_summary, is_cast, module_of
 from amp_compiler.passes.fx import fp8_runtime as fp8
@@ -144,7 +145,10 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None 
     if in_place_conversion(gm) is not None:   # convert(model, inplace=True): each part graph's nodes
         from amp_compiler.in_place.report import compare_in_place
         return compare_in_place(model, gm, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), rtol)
-    refuse_compiled(gm, "compare")
+    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
+    if compiled_state(gm) is not None:   # on dynamo's capture: each graph a call runs
+        from amp_compiler.dynamo.report import compare_compiled
+        return compare_compiled(model, gm, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), rtol)
     if not isinstance(gm, fx.GraphModule):
         raise ValueError("compare() takes the GraphModule convert() returned; for a model run as written "
                          "(its children converted), compare each child with the inputs it receives")
@@ -234,6 +238,9 @@ class _Recorder(fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             first = 2 if node.target is amp_module_call else 3   # the frozen call also takes the copies
             result = args[0](*args[first:], **kwargs)             # a low leaf (an RNN) with its fp32 parameters
+        elif self.fp32 and node.target is packed_frozen_linear:   # the weight itself, not its packed low copy
+            (x, weight, bias, *_), _ = self.fetch_args_kwargs_from_env(node)
+            result = torch.nn.functional.linear(x, weight, bias)
         elif self.fp32 and node.op == "call_function" and node.target in FP8_REPLAY:
             result = FP8_REPLAY[node.target](self, node, *self.fetch_args_kwargs_from_env(node))
         else:
@@ -374,11 +381,3 @@ class _eval_mode:
             for module, flag in flags.items():
                 module.training = flag
 
-
-def refuse_compiled(model, tool: str) -> None:
-    """compare replays a graph in fp32 on the inputs it receives; a model on dynamo's capture is not taken yet."""
-    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
-    if compiled_state(model) is not None:
-        raise ValueError(f"{tool}() does not take a model on TorchDynamo's capture (capture='dynamo', "
-                         f"amp_compiler.compile) yet: explain(model), render(model) and verify(model) take it; "
-                         f"for {tool}(), convert(model) (a GraphModule) or capture='parts'")
