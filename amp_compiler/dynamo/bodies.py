@@ -9,6 +9,10 @@ where the matmuls are (the outer pipeline saw one unknown op and kept all of it 
 the outer graph's rules, its inputs and outputs in the dtypes dynamo recorded: the outer graph reads and passes
 the op's values in those dtypes (op policy family "subgraph", fp32 at every level), and the body's first nodes
 restore each float input's recorded dtype anyway (a no-op when it has it), so the body is right whatever reaches it.
+
+checkpoint_sequential is on dynamo's skip list (a graph break: its segments' recomputation then ran outside the
+compiled call, as written, fp32); trace_checkpoint_sequential gives dynamo a traceable copy of it, so each segment
+is a checkpoint op like any other.
 """
 from __future__ import annotations
 
@@ -21,6 +25,44 @@ import torch.utils.checkpoint
 
 from amp_compiler.passes.fx.runtime import amp_cast, is_float
 from amp_compiler.passes.node_facts import facts
+
+_SEQUENTIAL_TRACEABLE = []   # registered once per process, on the first compilation
+
+
+def trace_checkpoint_sequential() -> None:
+    """Let dynamo trace torch.utils.checkpoint.checkpoint_sequential as the checkpoint calls it makes (dynamo's
+    substitute_in_graph: only its tracing reads the copy; a call outside dynamo runs torch's own). The same for
+    every torch.compile of the process, which then captures the segments instead of breaking the graph there."""
+    if not _SEQUENTIAL_TRACEABLE and hasattr(torch._dynamo, "substitute_in_graph"):
+        torch._dynamo.substitute_in_graph(torch.utils.checkpoint.checkpoint_sequential)(_checkpoint_sequential)
+        _SEQUENTIAL_TRACEABLE.append(True)
+
+
+def _checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwargs):
+    """torch.utils.checkpoint.checkpoint_sequential (torch 2.13) as dynamo can trace it: the same segments, each
+    but the last through checkpoint, the same defaults (use_reentrant None is True, with torch's warning outside
+    dynamo)."""
+    preserve = kwargs.pop("preserve_rng_state", True)
+    if kwargs:
+        raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
+    if isinstance(functions, torch.nn.Sequential):
+        functions = list(functions.children())
+
+    def run_function(start, end):
+        def forward(x):
+            for j in range(start, end + 1):
+                x = functions[j](x)
+            return x
+        return forward
+
+    segment_size = len(functions) // segments
+    end = -1
+    for start in range(0, segment_size * (segments - 1), segment_size):
+        end = start + segment_size - 1
+        input = torch.utils.checkpoint.checkpoint(run_function(start, end), input, preserve_rng_state=preserve,
+                                                  use_reentrant=True if use_reentrant is None else use_reentrant)
+    return run_function(end + 1, len(functions) - 1)(input)
+
 
 BODY_OPS = {torch.ops.higher_order.tag_activation_checkpoint: "checkpoint", torch.ops.higher_order.wrap: "wrap"}
 

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from amp_compiler.config import make_config, with_model_lists
+from amp_compiler.dynamo.bodies import trace_checkpoint_sequential
 from amp_compiler.dynamo.backend import RECOMPILE_LIMIT, amp_backend, forget_graphs, graphs, level_autocast
 
 ATTRIBUTE = "_amp_compiled"   # on the user's model: its CompiledForward (also its `forward`)
@@ -59,6 +60,7 @@ class CompiledForward:
 
     def __init__(self, model: nn.Module, config, own_forward, options: dict):
         self.model, self.config, self.own_forward, self.options = model, config, own_forward, dict(options)
+        trace_checkpoint_sequential()   # its segments recomputed low, not as written (bodies.py)
         self.converter = amp_backend(config, backend=options["backend"], model=model,
                                      weight_cache=options["weight_cache"])
         self.compiled = torch.compile(_frame_of_its_own(), backend=self.converter, dynamic=options["dynamic"])
