@@ -323,7 +323,18 @@ def pack_linears(model: nn.Module) -> nn.Module:
     """Let the frozen graphs of `model` (convert(..., freeze=True) or freeze() results, or a model converted in
     place and frozen: its part graphs, those captured later too) run their linears on oneDNN-packed copies of
     the frozen bf16 weights, on CPU: a decode step of a 4x512 Llama (batch 1, 1 thread) 20% faster. The cost:
-    a second low-precision copy of each Linear weight (frozen_bytes counts it: 2x). Returns `model`."""
+    a second low-precision copy of each Linear weight (frozen_bytes counts it: 2x). Returns `model`.
+    On TorchDynamo's capture (convert(model, inplace=True)) the weight cache packs them already, keeping the packed
+    copy only: nothing to do, unless the model was compiled with weight_cache=False."""
+    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
+    state = compiled_state(model)
+    if state is not None:
+        forwards = [state] if hasattr(state, "converter") else [compiled_state(getattr(model, name))
+                                                                for name in state.children]   # compile_children
+        if not all(forward.converter.caches_weights for forward in forwards):
+            raise TypeError("pack_linears() packs cached weight copies; this model was compiled with "
+                            "weight_cache=False (or backend='inductor'): compile it with weight_cache=True")
+        return model
     conversion = in_place_conversion(model)
     if conversion is not None:
         if not conversion.freeze:

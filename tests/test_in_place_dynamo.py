@@ -88,6 +88,10 @@ def test_restore_explain_and_freeze_take_it():
     assert amp_compiler.frozen_bytes(model) > 0   # the weight cache is on by default
     assert amp_compiler.freeze(model, sample_values=False) is model   # the cache's option, as freeze's
     assert model.__dict__["_amp_compiled"].converter.weight_cache.sample_values is False
+    from amp_compiler.frozen import _packing_available, pack_linears
+    packed = graphs(model)[0].meta["amp"]["frozen"]["linears_packed"]
+    assert pack_linears(model) is model   # it advised freeze=True: the cache packs bf16 CPU linears already
+    assert packed > 0 or not _packing_available()
     amp_compiler.restore(model)
     assert torch.equal(model(x), expected)
 
@@ -339,6 +343,9 @@ def test_weight_cache_can_be_turned_off_and_parts_refuse_a_compiled_model():
     with torch.no_grad():
         model(x)
     assert amp_compiler.frozen_bytes(model) == 0
+    from amp_compiler.frozen import pack_linears
+    with pytest.raises(TypeError, match="compiled with weight_cache=False"):
+        pack_linears(model)
     with pytest.raises(ValueError, match="compiled by amp_compiler"):
         amp_compiler.convert(model, "O1", inplace=True, capture="parts")   # would leave the compilation behind restore
     with pytest.raises(ValueError, match="weight_cache is an option of capture='dynamo'"):
