@@ -74,7 +74,7 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     checkpointing recomputed, a weight-cast cache in inference, on by default: freeze=True changes nothing there,
     weight_cache=False turns it off; see amp_compiler/dynamo/). "parts": the model's parts captured with fx or
     torch.export and guarded by amp-compiler (in_place/), the default only where a request needs it
-    (calibration_data, fp8_scaling="delayed") or the model is sharded with FSDP2 per block before its first call
+    (fp8_scaling="delayed") or the model is sharded with FSDP2 per block before its first call
     (dynamo/compile.py); the report's notes say why.
     """
     if capture is not None and capture not in CAPTURES:
@@ -90,7 +90,7 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
                          "and captured shape-generic again when a call's shapes need it")
     why_parts, chose_dynamo = "", capture is None
     if inplace and capture is None:
-        capture, why_parts = default_capture(config, calibration_data)
+        capture, why_parts = default_capture(config)
     if weight_cache is not None and capture != "dynamo":
         raise ValueError("weight_cache is an option of capture='dynamo' (whose weight cache is on by default); "
                          "elsewhere freeze=True keeps low weight copies")
@@ -106,27 +106,25 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
 CAPTURES = ("dynamo", "parts")
 
 
-def needs_parts(config: AmpConfig, calibration_data) -> list[str]:
-    """What of a request only the parts capture does yet (dynamo's backend sees one call's graph at a time:
-    calibration would run the model inside it, and fp8 delayed histories live on the parts)."""
-    return [name for name, given in (("calibration_data", calibration_data is not None),
-                                     ("fp8_scaling='delayed'", config.fp8 is not None
-                                      and config.fp8.scaling == "delayed")) if given]
+def needs_parts(config: AmpConfig) -> list[str]:
+    """What of a request only the parts capture does yet (fp8 delayed histories live on the parts)."""
+    return [name for name, given in (("fp8_scaling='delayed'", config.fp8 is not None
+                                      and config.fp8.scaling == "delayed"),) if given]
 
 
-def chosen_capture(level: str, capture: str | None = None, calibration_data=None, **overrides) -> str:
+def chosen_capture(level: str, capture: str | None = None, **overrides) -> str:
     """The capture convert(model, level, inplace=True, capture=capture, ...) takes (an integration that calls
     something else for dynamo's, e.g. a LightningModule's children, asks it first)."""
     config_options = {name: value for name, value in overrides.items() if name not in CONVERT_ONLY}
-    return capture or default_capture(make_config(level, **config_options), calibration_data)[0]
+    return capture or default_capture(make_config(level, **config_options))[0]
 
 
 CONVERT_ONLY = ("weight_cache", "example_inputs", "freeze", "dynamic_shapes")   # convert()'s, not the level's
 
 
-def default_capture(config: AmpConfig, calibration_data) -> tuple[str, str]:
+def default_capture(config: AmpConfig) -> tuple[str, str]:
     """(capture, why): dynamo's, or the parts' with the report's note naming what needs it."""
-    needed = needs_parts(config, calibration_data)
+    needed = needs_parts(config)
     if not needed:
         return "dynamo", ""
     return "parts", f"captured in parts, not with TorchDynamo: {' and '.join(needed)} needs it"
@@ -136,12 +134,13 @@ def _convert_on_dynamo(model, config, level, example_inputs, calibration_data, o
                        weight_cache: bool = True, parts_when_sharded: bool = False) -> nn.Module:
     from amp_compiler.dynamo.compile import compile as compile_on_dynamo, compiled_state   # it imports this module
     from amp_compiler.in_place.conversion import capture_now, refuse_in_place_request
-    not_yet = needs_parts(config, calibration_data)
+    not_yet = needs_parts(config)
     if not_yet:
         raise ValueError(f"capture='dynamo' does not take {', '.join(not_yet)} yet: use capture='parts' "
                          "(the default where a request needs it) for it")
     refuse_in_place_request(model, example_inputs)
-    compile_on_dynamo(model, level, backend="eager", weight_cache=weight_cache, **overrides)
+    compile_on_dynamo(model, level, backend="eager", weight_cache=weight_cache, calibration_data=calibration_data,
+                      **overrides)
     # the default capture: a model sharded with FSDP2 per block before its first call goes to the parts (compile.py)
     compiled_state(model).options["parts_when_sharded"] = parts_when_sharded
     capture_now(model, example_inputs)

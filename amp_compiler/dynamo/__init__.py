@@ -6,12 +6,13 @@
     bodies.py        torch.utils.checkpoint's bodies converted as graphs of their own, still recomputed
     weight_cache.py  each parameter's low copy made once while it is unchanged (inference, frozen bases)
     cache_state.py   a KV cache's tensors are state: kept in the low dtype, as under autocast
+    calibration.py   calibration_data: each graph calibrated on the tensors it received while the samples ran
     report.py        explain(model): every graph, graph breaks, recompiles and fallbacks in one report; compare,
                      verify: each graph a call runs, on the tensors it received
 
 Graph breaks, guards, recompiles and dynamic shapes are dynamo's. Where dynamo or the passes cannot give a graph,
 the model still runs, under torch.autocast with the level's dtype, and says so (warnings and explain). Not yet on
-this capture (capture="parts" takes them): calibration_data, dynamic_shapes, fp8 delayed scaling, FSDP2
+this capture (capture="parts" takes them): dynamic_shapes, fp8 delayed scaling, FSDP2
 per block. Figures: README, "On TorchDynamo's
 capture".
 """

@@ -20,6 +20,7 @@ from torch import nn
 from amp_compiler.config import AmpConfig
 from amp_compiler.convert import collector_paused, compile_graph
 from amp_compiler.dynamo.cache_state import mark_cache_state
+from amp_compiler.dynamo.calibration import GraphCalls, note_frame
 from amp_compiler.dynamo.bodies import call_bodies_directly, convert_bodies
 from amp_compiler.dynamo.graph_inputs import parameter_names, prepare_graph, user_path
 from amp_compiler.dynamo.weight_cache import cache_weight_casts
@@ -33,11 +34,13 @@ _GRAPHS: "weakref.WeakKeyDictionary[object, list[fx.GraphModule]]" = weakref.Wea
 
 
 def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module | None = None,
-                weight_cache: bool = True) -> Callable:
+                weight_cache: bool = True, calibration: GraphCalls | None = None) -> Callable:
     """A dynamo backend `(gm, example_inputs) -> callable`: the graph converted by `config`'s level, run as fx code
     (backend="eager") or compiled by inductor (backend="inductor"). `model`: the compiled model, when known; its
     parameters name the graph's weight inputs and graphs(model) lists what was converted. `weight_cache`
-    (eager): inference calls reuse each weight's low copy while the weight is unchanged (weight_cache.py)."""
+    (eager): inference calls reuse each weight's low copy while the weight is unchanged (weight_cache.py).
+    `calibration`: the graph calls the calibration samples made (calibration.py): graphs made while they run
+    are converted once they are done, each on its own calls; later ones on their frame's calls that fit."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     # dynamo's code cache keeps the backend alive until torch._dynamo.reset(): a weak reference lets the model go
@@ -45,17 +48,31 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
 
     def convert_graph(gm: fx.GraphModule, example_inputs) -> Callable:
         reason = getattr(gm, "compile_subgraph_reason", None)   # dynamo's: why the graph ended where it did
-        as_captured = _graph_copy(gm)   # the passes edit gm itself: what runs if they fail
-        try:
-            return _converted(gm, example_inputs, reason)
-        except Exception as error:  # noqa: BLE001 - any failure of the passes: the graph still runs, said once
-            fallback = under_autocast(as_captured, config, example_inputs, error)
-            convert_graph.fallbacks.append(fallback.reason)
-            return fallback
 
-    def _converted(gm: fx.GraphModule, example_inputs, reason) -> Callable:
+        def converted_or_fallback(gm: fx.GraphModule, samples: list | None) -> Callable:
+            as_captured = _graph_copy(gm)   # the passes edit gm itself: what runs if they fail
+            try:
+                return _converted(gm, example_inputs, reason, samples)
+            except Exception as error:  # noqa: BLE001 - any failure of the passes: the graph still runs, said once
+                fallback = under_autocast(as_captured, config, example_inputs, error)
+                convert_graph.fallbacks.append(fallback.reason)
+                return fallback
+
+        if calibration is None:
+            return converted_or_fallback(gm, None)
+        note_frame(gm)   # which recorded calls are this graph's
+        if calibration.recording:   # the samples are running: converted on their calls once they are done
+            return calibration.keep(gm, _graph_copy(gm), converted_or_fallback)
+        samples = calibration.samples_for(gm)
+        if not samples:
+            calibration.uncalibrated.append(f"graph of {', '.join(_modules_of(gm)[:3]) or 'the model'} (compile id "
+                                            f"{gm.meta.get('dynamo_compile_id', '?')}): no calibration sample's call "
+                                            "fits its inputs, converted uncalibrated")
+        return converted_or_fallback(gm, samples or None)
+
+    def _converted(gm: fx.GraphModule, example_inputs, reason, samples: list | None) -> Callable:
         model = model_ref()
-        converted = convert_captured_graph(gm, example_inputs, config, model)
+        converted = convert_captured_graph(gm, example_inputs, config, model, calibration_data=samples)
         compile_id = str(gm.meta.get("dynamo_compile_id", ""))
         converted.meta["amp"]["dynamo"] = {"compile_id": compile_id,
                                            "graph_break": _where(reason) if getattr(reason, "graph_break", False)
@@ -72,34 +89,44 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
         convert_graph.graphs.append(converted)
         return compiled
 
+    def made_a_graph() -> bool:
+        """Whether dynamo handed this backend a graph yet (converted, fallen back, or waiting on calibration)."""
+        return bool(convert_graph.graphs or convert_graph.fallbacks or (calibration and calibration.pending))
+
     convert_graph.graphs = []   # every graph this backend converted (graphs(model) when the model is known)
     convert_graph.fallbacks = []   # why each graph the passes failed on runs under autocast instead
     convert_graph.weight_cache = FrozenWeights().eval()   # the low weight copies all its graphs read
     convert_graph.caches_weights = weight_cache and backend == "eager"
+    convert_graph.calibration = calibration
+    convert_graph.made_a_graph = made_a_graph
     return convert_graph
 
 
 def convert_captured_graph(gm: fx.GraphModule, example_inputs, config: AmpConfig,
-                           model: nn.Module | None = None) -> fx.GraphModule:
-    """FX_PIPELINE on dynamo's graph itself (no re-trace, no copy); the decisions stay in its meta["amp"]."""
+                           model: nn.Module | None = None, calibration_data: list | None = None) -> fx.GraphModule:
+    """FX_PIPELINE on dynamo's graph itself (no re-trace, no copy); the decisions stay in its meta["amp"].
+    `calibration_data`: real inputs of this graph (calibration.py), whose ranges decide too."""
     started = time.perf_counter()
     cache_tensors = mark_cache_state(gm)   # before the passes: keep_io_types leaves these low
-    converted = _convert(gm, parameter_names(gm, example_inputs, model), config, tuple(example_inputs))
+    converted = _convert(gm, parameter_names(gm, example_inputs, model), config, tuple(example_inputs),
+                         calibration_data)
     converted.meta["amp"]["cache_tensors_low"] = cache_tensors
     converted.meta["amp"]["conversion_s"] = time.perf_counter() - started
     return converted
 
 
-def _convert(gm: fx.GraphModule, names: dict, config: AmpConfig, example_inputs: tuple | None = None):
+def _convert(gm: fx.GraphModule, names: dict, config: AmpConfig, example_inputs: tuple | None = None,
+             calibration_data: list | None = None):
     """One graph and the bodies it calls (bodies.py), each converted in place. A body's example inputs are its
-    placeholders' fake values (dynamo recorded them)."""
+    placeholders' fake values (dynamo recorded them); bodies are not calibrated (their inputs are the graph's
+    values inside it)."""
     prepare_graph(gm)
     converted_bodies = convert_bodies(gm, names, config, lambda body, body_names, body_config: _convert(
         body, body_names, body_config,
         tuple(n.meta.get("val") for n in body.graph.nodes if n.op == "placeholder")))
     captured = CapturedGraph(gm, FRONTEND, model=gm, example_inputs=example_inputs)
     with collector_paused():
-        converted = compile_graph(captured, config, follow_flags=False, spend_capture=True)
+        converted = compile_graph(captured, config, calibration_data, follow_flags=False, spend_capture=True)
     call_bodies_directly(converted)
     converted.meta["amp"].update({"graph_inputs": names, "bodies": converted_bodies,
                                   "nodes_captured": sum(1 for _ in converted.graph.nodes)})

@@ -17,13 +17,14 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from amp_compiler.config import make_config, with_model_lists
 from amp_compiler.dynamo.bodies import trace_checkpoint_sequential
+from amp_compiler.dynamo.calibration import GraphCalls, run_samples
 from amp_compiler.dynamo.backend import RECOMPILE_LIMIT, amp_backend, forget_graphs, graphs, level_autocast
 
 ATTRIBUTE = "_amp_compiled"   # on the user's model: its CompiledForward (also its `forward`)
 
 
 def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", dynamic=None,  # noqa: A001
-            weight_cache: bool = True, **overrides) -> nn.Module:
+            weight_cache: bool = True, calibration_data=None, **overrides) -> nn.Module:
     """Compile `model` in place with torch.compile, each captured graph converted by `level`'s rules first.
 
     It is what `model.compile(backend=...)` (nn.Module.compile) does: the same object comes back, with its class,
@@ -34,6 +35,8 @@ def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", d
     recompiles are dynamo's); amp_compiler.dynamo.graphs(model) lists them, each one explain()-able.
     `weight_cache` (backend="eager"): inference calls reuse each weight's low copy while it is unchanged
     (dynamo/weight_cache.py); False casts every weight on every call, as autocast outside a region does.
+    `calibration_data` (input tuples): run through the model now, no grad, buffers kept; each graph is calibrated
+    on the tensors it received (dynamo/calibration.py), so values past the low dtype's range stay fp32.
     Undo with amp_compiler.restore(model); compiling again replaces the compilation.
     """
     if not isinstance(model, nn.Module):
@@ -46,9 +49,16 @@ def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", d
     config = with_model_lists(make_config(level, **overrides), model)   # _keep_in_fp32_modules read once, here
     if ATTRIBUTE in model.__dict__:   # compiled before: this compilation replaces that one
         restore_compiled(model)
+    calibration = GraphCalls() if calibration_data is not None else None
     forward = CompiledForward(model, config, model.__dict__.get("forward"),
-                              {"backend": backend, "dynamic": dynamic, "weight_cache": weight_cache})
+                              {"backend": backend, "dynamic": dynamic, "weight_cache": weight_cache}, calibration)
     model.__dict__[ATTRIBUTE] = model.__dict__["forward"] = forward
+    if calibration is not None:
+        try:
+            run_samples(model, calibration, calibration_data)
+        except Exception:
+            restore_compiled(model)   # a sample the model fails on: the model as it was
+            raise
     return model
 
 
@@ -58,11 +68,12 @@ class CompiledForward:
     matmul ran fp32); it sees one call it does not trace, and this compilation runs inside it. Hooks run around
     it, as around any forward. A deepcopy or a pickle of the model gets a CompiledForward of its own (__reduce__)."""
 
-    def __init__(self, model: nn.Module, config, own_forward, options: dict):
+    def __init__(self, model: nn.Module, config, own_forward, options: dict, calibration: GraphCalls | None = None):
         self.model, self.config, self.own_forward, self.options = model, config, own_forward, dict(options)
+        self.calibration = calibration   # the calibration samples' graph calls (a copy's graphs read them too)
         trace_checkpoint_sequential()   # its segments recomputed low, not as written (bodies.py)
         self.converter = amp_backend(config, backend=options["backend"], model=model,
-                                     weight_cache=options["weight_cache"])
+                                     weight_cache=options["weight_cache"], calibration=calibration)
         self.compiled = torch.compile(_frame_of_its_own(), backend=self.converter, dynamic=options["dynamic"])
         written = own_forward if own_forward is not None else types.MethodType(type(model).forward, model)
         functools.update_wrapper(self, written)   # inspect.signature(model.forward) stays the user's (generate reads it)
@@ -75,17 +86,17 @@ class CompiledForward:
         return _run(self, args, kwargs)
 
     def __reduce__(self):   # copy.deepcopy / pickle: rebuilt for the copied model, graphs and caches not shared
-        return CompiledForward, (self.model, self.config, self.own_forward, self.options)
+        return CompiledForward, (self.model, self.config, self.own_forward, self.options, self.calibration)
 
 
 @torch._dynamo.disable
 def _run(forward: CompiledForward, args: tuple, kwargs: dict):
     if _get_current_dispatch_mode() is not None or forward.not_captured is not None:
         return _under_autocast(forward, args, kwargs)
-    sharded = _sharded_submodule(forward.model, made_graphs=bool(forward.converter.graphs))
+    sharded = _sharded_submodule(forward.model, made_graphs=forward.converter.made_a_graph())
     if sharded is not None:
         return _sharded_call(forward, sharded, args, kwargs)
-    if not forward.converter.graphs and not forward.converter.fallbacks:   # until a graph is made: did dynamo skip?
+    if not forward.converter.made_a_graph():   # until a graph is made: did dynamo skip?
         return _first_calls(forward, args, kwargs)
     return _compiled_call(forward, args, kwargs)
 
@@ -128,7 +139,7 @@ def _first_calls(forward: CompiledForward, args: tuple, kwargs: dict):
     unimplemented = torch._dynamo.utils.counters["unimplemented"]   # never reset: compare counts, not keys
     before = dict(unimplemented)
     out = _compiled_call(forward, args, kwargs)
-    if not forward.converter.graphs and not forward.converter.fallbacks and _dynamo_would_compile() and \
+    if not forward.converter.made_a_graph() and _dynamo_would_compile() and \
             any(True for _ in forward.model.parameters()):
         reasons = [reason for reason, count in unimplemented.items() if count > before.get(reason, 0)]
         why = reasons[-1].strip().splitlines()[0] if reasons else "no tensor op it could capture"

@@ -14,7 +14,7 @@ import dataclasses
 from torch import nn
 
 from amp_compiler.dynamo.compile import CompiledForward, compiled_graphs, compiled_state
-from amp_compiler.insight.report import PrecisionReport, _totals, explain
+from amp_compiler.insight.report import PrecisionReport, _totals, add_calibration, explain
 
 NOT_CALLED = "not called yet: dynamo captures graphs on the model's calls, so there is nothing to report"
 
@@ -22,7 +22,7 @@ NOT_CALLED = "not called yet: dynamo captures graphs on the model's calls, so th
 def explain_compiled(model, state) -> PrecisionReport:
     """One report of every graph of a compiled model (or of its compiled children: their paths prefixed)."""
     config = state.config
-    rows, islands, casts, warnings, notes = [], [], 0, [], []
+    rows, islands, casts, warnings, notes, pass_counts = [], [], 0, [], [], {}
     made = []
     for index, (prefix, gm, _) in enumerate(compiled_graphs(model), 1):
         report = explain(gm)
@@ -31,10 +31,13 @@ def explain_compiled(model, state) -> PrecisionReport:
         casts += report.totals["casts"]
         warnings += report.warnings
         notes.append(graph_line(index, gm, prefix))
+        add_calibration(pass_counts, report.summary.get("pass_counts", {}).get("calibrate_ranges"))
         made.append(gm)
     fallbacks = [reason for forward in _forwards(model, state) for reason in forward.converter.fallbacks]
     notes += [f"fallback: {reason}" for reason in dict.fromkeys(fallbacks)]
     notes += [f"fallback: {forward.not_captured}" for forward in _forwards(model, state) if forward.not_captured]
+    notes += [f"calibration: {why}" for forward in _forwards(model, state) if forward.calibration is not None
+              for why in forward.calibration.uncalibrated]
     recompiles = sum(1 for gm in made if not _compile_id(gm).endswith("/0"))
     breaks = sum(1 for gm in made if gm.meta["amp"].get("dynamo", {}).get("graph_break"))
     summary = {"level": config.level, "requested_level": config.requested_level, "dtype": config.low_dtype_name,
@@ -42,7 +45,7 @@ def explain_compiled(model, state) -> PrecisionReport:
                "keep_io_types": config.keep_io_types, "loss_scale_manager": config.loss_scale_manager,
                "leaf_modules": [], "notes": notes or [NOT_CALLED],
                "opaque": {}, "hooks": {}, "training_reads": {},
-               "casts": casts, "pass_counts": {}, "in_place": True,
+               "casts": casts, "pass_counts": pass_counts, "in_place": True,
                "devices": made[0].meta["amp"].get("devices") if made else None}
     return PrecisionReport(rows, _totals(rows, casts), summary, islands, warnings=warnings)
 

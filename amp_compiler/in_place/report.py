@@ -26,7 +26,7 @@ from torch import nn
 from amp_compiler.in_place.call_key import Uncapturable, call_key
 from amp_compiler.in_place.conversion import InPlaceConversion, in_place_conversion
 from amp_compiler.in_place.part import Graph, Part
-from amp_compiler.insight.report import PrecisionReport, _totals, explain
+from amp_compiler.insight.report import PrecisionReport, _totals, add_calibration, explain
 
 NOT_CALLED = ("nothing captured yet: parts are captured on their first call; call the model once or pass "
               "example_inputs to convert()")
@@ -96,19 +96,11 @@ def merged_summary(conversion: InPlaceConversion, summaries: list[tuple[str, dic
         summary["leaf_modules"] += [user_path(path, leaf) for leaf in graph_summary.get("leaf_modules", ())]
         summary["notes"] += [f"{path or 'the model'}: {_user_paths_in(path, note)}" for note in graph_summary.get("notes", ())]
         summary["casts"] += graph_summary.get("casts", 0)
-        _add_calibration(summary["pass_counts"], graph_summary.get("pass_counts", {}).get("calibrate_ranges"))
+        add_calibration(summary["pass_counts"], graph_summary.get("pass_counts", {}).get("calibrate_ranges"))
         for name in ("opaque", "hooks", "training_reads"):
             summary[name].update({user_path(path, where): value
                                   for where, value in graph_summary.get(name, {}).items()})
     return summary
-
-
-def _add_calibration(pass_counts: dict, calibrated: dict | None) -> None:
-    """The calibration line's counts: the most samples a part saw, the overflowing nodes of all parts."""
-    if calibrated:
-        merged = pass_counts.setdefault("calibrate_ranges", {"samples": 0, "nodes_overflowing": 0})
-        merged["samples"] = max(merged["samples"], calibrated.get("samples", 0))
-        merged["nodes_overflowing"] += calibrated.get("nodes_overflowing", 0)
 
 
 def parts_summary(conversion: InPlaceConversion) -> dict:

@@ -241,6 +241,15 @@ def _leaf_lines(leaves: list[str]) -> list[str]:
     return lines
 
 
+def add_calibration(pass_counts: dict, calibrated: dict | None) -> None:
+    """One graph's calibration counts into a report of several (parts, dynamo's graphs): the most samples a graph
+    saw, the overflowing nodes of all of them."""
+    if calibrated:
+        merged = pass_counts.setdefault("calibrate_ranges", {"samples": 0, "nodes_overflowing": 0})
+        merged["samples"] = max(merged["samples"], calibrated.get("samples", 0))
+        merged["nodes_overflowing"] += calibrated.get("nodes_overflowing", 0)
+
+
 def calibration_lines(calibrated: dict | None, kept: list[str]) -> list[str]:
     """What range calibration kept fp32 (calibrated: the calibrate_ranges pass's counts; none: no line)."""
     if not calibrated:
