@@ -74,8 +74,8 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     checkpointing recomputed, a weight-cast cache in inference, on by default: freeze=True changes nothing there,
     weight_cache=False turns it off; see amp_compiler/dynamo/). "parts": the model's parts captured with fx or
     torch.export and guarded by amp-compiler (in_place/), the default only where a request needs it
-    (fp8_scaling="delayed") or the model is sharded with FSDP2 per block before its first call
-    (dynamo/compile.py); the report's notes say why.
+    (fp8_scaling="delayed"); the report's notes say why. A model sharded with FSDP2 per block (before or after
+    converting) is compiled per block on its first sharded call (dynamo/compile.py).
     """
     if capture is not None and capture not in CAPTURES:
         raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}; got {capture!r}")
@@ -88,7 +88,7 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     if inplace and dynamic_shapes is not None:
         raise ValueError("dynamic_shapes does not apply to inplace=True: the model is captured on the calls it gets, "
                          "and captured shape-generic again when a call's shapes need it")
-    why_parts, chose_dynamo = "", capture is None
+    why_parts = ""
     if inplace and capture is None:
         capture, why_parts = default_capture(config)
     if weight_cache is not None and capture != "dynamo":
@@ -96,8 +96,7 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
                          "elsewhere freeze=True keeps low weight copies")
     if capture == "dynamo":
         return _convert_on_dynamo(model, config, level, example_inputs, calibration_data, overrides,
-                                  weight_cache=True if weight_cache is None else weight_cache,
-                                  parts_when_sharded=chose_dynamo)
+                                  weight_cache=True if weight_cache is None else weight_cache)
     with collector_paused():
         return _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace,
                         overrides, why_parts)
@@ -131,8 +130,8 @@ def default_capture(config: AmpConfig) -> tuple[str, str]:
 
 
 def _convert_on_dynamo(model, config, level, example_inputs, calibration_data, overrides, *,
-                       weight_cache: bool = True, parts_when_sharded: bool = False) -> nn.Module:
-    from amp_compiler.dynamo.compile import compile as compile_on_dynamo, compiled_state   # it imports this module
+                       weight_cache: bool = True) -> nn.Module:
+    from amp_compiler.dynamo.compile import compile as compile_on_dynamo   # it imports this module
     from amp_compiler.in_place.conversion import capture_now, refuse_in_place_request
     not_yet = needs_parts(config)
     if not_yet:
@@ -141,8 +140,6 @@ def _convert_on_dynamo(model, config, level, example_inputs, calibration_data, o
     refuse_in_place_request(model, example_inputs)
     compile_on_dynamo(model, level, backend="eager", weight_cache=weight_cache, calibration_data=calibration_data,
                       **overrides)
-    # the default capture: a model sharded with FSDP2 per block before its first call goes to the parts (compile.py)
-    compiled_state(model).options["parts_when_sharded"] = parts_when_sharded
     capture_now(model, example_inputs)
     return model
 

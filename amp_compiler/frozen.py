@@ -329,7 +329,7 @@ def pack_linears(model: nn.Module) -> nn.Module:
     from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
     state = compiled_state(model)
     if state is not None:
-        forwards = [state] if hasattr(state, "converter") else [compiled_state(getattr(model, name))
+        forwards = [state] if hasattr(state, "converter") else [compiled_state(model.get_submodule(name))
                                                                 for name in state.children]   # compile_children
         if not all(forward.converter.caches_weights for forward in forwards):
             raise TypeError("pack_linears() packs cached weight copies; this model was compiled with "
@@ -393,7 +393,7 @@ def freeze(model: nn.Module, *, sample_values: bool = True) -> nn.Module:
     if compiled is not None:   # amp_compiler.compile / capture="dynamo": its weight cache is the freeze
         if not hasattr(compiled, "converter"):   # compile_children: each child's own
             for name in compiled.children:
-                freeze(getattr(model, name), sample_values=sample_values)
+                freeze(model.get_submodule(name), sample_values=sample_values)
             return model
         if not compiled.converter.caches_weights:
             raise TypeError("this model was compiled with weight_cache=False (or backend='inductor'): compile it "

@@ -201,26 +201,43 @@ def test_converted_in_place_then_sharded_per_block_trains_like_one_process():
     run_on_two_ranks(check_in_place_then_sharded_per_block)
 
 
-def check_default_capture_hands_a_per_block_sharded_model_to_the_parts(rank):
+def check_in_place_on_dynamo_then_sharded_per_block(rank):
     import amp_compiler
-    reference = converted_in_place("O2")
+    from amp_compiler.dynamo import graphs
+    torch.manual_seed(0)
+    reference = convert(BlockNet(), "O2", dtype=torch.bfloat16, inplace=True)   # one process, one dynamo graph
     initial = [p.detach().clone() for p in reference.parameters()]
     train(reference, [global_batch(step) for step in range(STEPS)])
     torch.manual_seed(0)
     # the default capture, with a graph made before sharding (example_inputs: one call at conversion)
     model = convert(BlockNet(), "O2", dtype=torch.bfloat16, inplace=True, example_inputs=(batch(rank, 0)[0],))
-    from amp_compiler.dynamo import graphs
     assert len(graphs(model)) == 1
     model = shard(model, per_block=True)
+    seen: list = []
+    live = lambda: model.blocks[0].fc._parameters["weight"]  # noqa: E731   (what FSDP swaps)
+    model.blocks[0].register_forward_pre_hook(lambda *_: seen.append(type(live()).__name__), prepend=True)
     train(model, [batch(rank, step) for step in range(STEPS)])
-    notes = amp_compiler.explain(model).summary["notes"]
-    assert any("not with TorchDynamo: its submodule blocks.0 is sharded with FSDP2" in note for note in notes), notes
+    report = amp_compiler.explain(model)
+    assert any("compiled per block: its submodule blocks.0 is sharded with FSDP2" in n for n in report.summary["notes"])
+    # each block a graph of its own (FSDP's unshard runs around its call), embed and head theirs: every linear low
+    assert {row["module"] for row in report.rows if row["op"] == "linear" and row["dtype"] == "bfloat16"} == \
+        {"embed", "blocks.0.fc", "blocks.1.fc", "head"}, report.rows
+    assert graphs(model.blocks[0]) and in_place_conversion_of(model) is None
+    assert seen[0] == "DTensor"   # sharded until FSDP's pre-forward hook, which runs before the block's graph
     assert_trained_like_one_process(model, reference, initial)   # dynamo's whole-model graph was 20% off, silently
     torch.manual_seed(0)
     explicit = shard(convert(BlockNet(), "O2", dtype=torch.bfloat16, inplace=True, capture="dynamo"), per_block=True)
-    with pytest.raises(ValueError, match="capture='parts'"):
-        explicit(batch(rank, 0)[0])
+    explicit(batch(rank, 0)[0])   # the explicit capture too: per block
+    assert graphs(explicit.blocks[1])
+    low = shard(convert(BlockNet(), "O2", dtype=torch.bfloat16, inplace=True).to(torch.bfloat16), per_block=True)
+    with pytest.raises(ValueError, match="weights are low already"):
+        low(batch(rank, 0)[0].to(torch.bfloat16))
 
 
-def test_the_default_capture_hands_a_model_sharded_per_block_to_the_parts():
-    run_on_two_ranks(check_default_capture_hands_a_per_block_sharded_model_to_the_parts)
+def in_place_conversion_of(model):
+    from amp_compiler.in_place import in_place_conversion
+    return in_place_conversion(model)
+
+
+def test_in_place_on_dynamo_then_sharded_per_block_compiles_per_block_and_trains_like_one_process():
+    run_on_two_ranks(check_in_place_on_dynamo_then_sharded_per_block)

@@ -12,8 +12,8 @@
 
 Graph breaks, guards, recompiles and dynamic shapes are dynamo's. Where dynamo or the passes cannot give a graph,
 the model still runs, under torch.autocast with the level's dtype, and says so (warnings and explain). Not yet on
-this capture (capture="parts" takes them): dynamic_shapes, fp8 delayed scaling, FSDP2
-per block. Figures: README, "On TorchDynamo's
+this capture (capture="parts" takes them): dynamic_shapes, fp8 delayed scaling. A model
+FSDP2 shards per block is compiled per block (compile.py). Figures: README, "On TorchDynamo's
 capture".
 """
 from amp_compiler.dynamo.backend import amp_backend, convert_captured_graph, graphs

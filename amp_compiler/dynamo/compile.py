@@ -93,7 +93,8 @@ class CompiledForward:
 def _run(forward: CompiledForward, args: tuple, kwargs: dict):
     if _get_current_dispatch_mode() is not None or forward.not_captured is not None:
         return _under_autocast(forward, args, kwargs)
-    sharded = _sharded_submodule(forward.model, made_graphs=forward.converter.made_a_graph())
+    sharded = None if forward.options.get("per_block") else \
+        _sharded_submodule(forward.model, made_graphs=forward.converter.made_a_graph())
     if sharded is not None:
         return _sharded_call(forward, sharded, args, kwargs)
     if not forward.converter.made_a_graph():   # until a graph is made: did dynamo skip?
@@ -114,22 +115,52 @@ def _sharded_submodule(model: nn.Module, made_graphs: bool) -> str | None:
 
 def _sharded_call(forward: CompiledForward, sharded: str, args: tuple, kwargs: dict):
     """A model whose blocks FSDP2 shards (fully_shard per block, after converting, before or after its first calls):
-    dynamo's graph of the whole model does not follow FSDP's per-block hooks (measured: trained 20% off the
-    one-process run, silently). convert()'s default capture hands such a model to the parts capture, which runs each
-    sharded block as a graph of its own inside FSDP's unshard and reshard (the report's note says so); an explicit
-    capture='dynamo', or a model whose weights are already low (Apex O2/O3, model.half()), is refused, unchanged."""
+    dynamo's graph of the whole model reads every weight at its start, before FSDP's per-block hooks gather them
+    (measured: trained 20% off the one-process run, silently). So the model is compiled per block instead, as
+    FSDP2's recipe compiles it: each sharded block, and each submodule with parameters and no sharded block in it,
+    is compiled on its own (FSDP's unshard and reshard run around each block's compiled call); the modules above
+    them run as written (glue: residual adds, the loop over the blocks). A model whose weights are already low
+    (Apex O2/O3, model.half()) is refused, unchanged: its input casts belong to the whole-model compilation."""
     model = forward.model
-    why = (f"its submodule {sharded} is sharded with FSDP2 (fully_shard), whose per-block hooks TorchDynamo's capture "
-           "does not follow yet")
     from amp_compiler.frontend.capture import low_parameter_dtypes
-    if not forward.options.get("parts_when_sharded") or low_parameter_dtypes(model):
-        raise ValueError(f"amp_compiler: {type(model).__name__} runs on TorchDynamo's capture, but {why}: convert the "
-                         "fp32 model with capture='parts' (amp_compiler.initialize(..., capture='parts') for Apex's "
-                         "levels), then shard it")
-    from amp_compiler.in_place.conversion import convert_in_place   # in_place imports this package
+    if low_parameter_dtypes(model):
+        raise ValueError(f"amp_compiler: {type(model).__name__}'s submodule {sharded} is sharded with FSDP2 "
+                         "(fully_shard) and its weights are low already: convert the fp32 model (Apex's levels: "
+                         "amp_compiler.initialize), then shard it")
     restore_compiled(model)
-    convert_in_place(model, forward.config, why_parts=f"captured in parts, not with TorchDynamo: {why}")
-    return model.forward(*args, **kwargs)
+    compile_per_block(model, forward.config, forward.options,
+                      note=f"compiled per block: its submodule {sharded} is sharded with FSDP2 (fully_shard)")
+    return model.forward(*args, **kwargs)   # this call's hooks (FSDP's root ones) ran already: the forward alone
+
+
+def compile_per_block(model: nn.Module, config, options: dict, note: str) -> nn.Module:
+    """Each FSDP2-sharded block of `model` and each submodule with parameters and no sharded block below it
+    compiled on its own with `config`; the modules that hold sharded blocks run as written (CompiledChildren)."""
+    from amp_compiler.in_place.conversion import fsdp_module_type   # it imports this package
+    sharded_type = fsdp_module_type()
+    paths = []
+
+    def visit(module: nn.Module, path: str) -> None:
+        holds_sharded = any(isinstance(m, sharded_type) for name, m in module.named_modules() if name)
+        if not holds_sharded:
+            if any(True for _ in module.parameters()):
+                _compile_with(module, config, options)
+                paths.append(path)
+            return
+        for name, child in module.named_children():
+            visit(child, f"{path}.{name}" if path else name)
+
+    visit(model, "")
+    model.__dict__[ATTRIBUTE] = CompiledChildren(config, paths, note=note)
+    return model
+
+
+def _compile_with(module: nn.Module, config, options: dict) -> None:
+    """compile(module) with an existing config (the model's, lists included) and compile()'s own options."""
+    if ATTRIBUTE in module.__dict__:
+        restore_compiled(module)
+    forward = CompiledForward(module, config, module.__dict__.get("forward"), {**options, "per_block": True})
+    module.__dict__[ATTRIBUTE] = module.__dict__["forward"] = forward
 
 
 def _first_calls(forward: CompiledForward, args: tuple, kwargs: dict):
@@ -204,9 +235,10 @@ def _under_autocast(forward: CompiledForward, args: tuple, kwargs: dict):
 
 @dataclasses.dataclass
 class CompiledChildren:
-    """The record of a module whose children were compiled one by one (compile_children)."""
+    """The record of a module whose submodules were compiled one by one (compile_children, compile_per_block)."""
     config: object
-    children: list   # the names of the compiled children
+    children: list   # the paths of the compiled submodules (direct children for compile_children)
+    note: str = ""   # why, for explain()
 
 
 def compile_children(module: nn.Module, level: str = "O1", **options) -> nn.Module:
@@ -234,7 +266,7 @@ def compiled_graphs(model: nn.Module) -> list[tuple[str, object, object]]:
     state = compiled_state(model)
     if isinstance(state, CompiledChildren):
         return [(name if not path else f"{name}.{path}", gm, forward) for name in state.children
-                for path, gm, forward in compiled_graphs(getattr(model, name))]
+                for path, gm, forward in compiled_graphs(model.get_submodule(name))]
     if isinstance(state, CompiledForward):
         return [("", gm, state) for gm in graphs(model)]
     return []
@@ -246,7 +278,7 @@ def restore_compiled(model: nn.Module) -> nn.Module:
     state = model.__dict__.pop(ATTRIBUTE)
     if isinstance(state, CompiledChildren):
         for name in state.children:
-            child = getattr(model, name, None)
+            child = model.get_submodule(name)
             if compiled_state(child) is not None:
                 restore_compiled(child)
         return model

@@ -33,6 +33,7 @@ def explain_compiled(model, state) -> PrecisionReport:
         notes.append(graph_line(index, gm, prefix))
         add_calibration(pass_counts, report.summary.get("pass_counts", {}).get("calibrate_ranges"))
         made.append(gm)
+    notes += [state.note] if getattr(state, "note", "") else []
     fallbacks = [reason for forward in _forwards(model, state) for reason in forward.converter.fallbacks]
     notes += [f"fallback: {reason}" for reason in dict.fromkeys(fallbacks)]
     notes += [f"fallback: {forward.not_captured}" for forward in _forwards(model, state) if forward.not_captured]
@@ -74,7 +75,7 @@ def _forwards(model, state) -> list:
     """The CompiledForward(s) of a compiled model, or of its compiled children."""
     if isinstance(state, CompiledForward):
         return [state]
-    children = [compiled_state(getattr(model, name)) for name in state.children]
+    children = [compiled_state(model.get_submodule(name)) for name in state.children]
     return [child for child in children if isinstance(child, CompiledForward)]
 
 
