@@ -73,9 +73,8 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     convert each graph (amp_compiler.compile(model, level, backend="eager"): generate() with attention low,
     checkpointing recomputed, a weight-cast cache in inference, on by default: freeze=True changes nothing there,
     weight_cache=False turns it off; see amp_compiler/dynamo/). "parts": the model's parts captured with fx or
-    torch.export and guarded by amp-compiler (in_place/), the default only where a request needs it
-    (fp8_scaling="delayed"); the report's notes say why. A model sharded with FSDP2 per block (before or after
-    converting) is compiled per block on its first sharded call (dynamo/compile.py).
+    torch.export and guarded by amp-compiler (in_place/), on request only. A model sharded with FSDP2 per block
+    (before or after converting) is compiled per block on its first sharded call (dynamo/compile.py).
     """
     if capture is not None and capture not in CAPTURES:
         raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}; got {capture!r}")
@@ -88,9 +87,8 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     if inplace and dynamic_shapes is not None:
         raise ValueError("dynamic_shapes does not apply to inplace=True: the model is captured on the calls it gets, "
                          "and captured shape-generic again when a call's shapes need it")
-    why_parts = ""
     if inplace and capture is None:
-        capture, why_parts = default_capture(config)
+        capture = "dynamo"
     if weight_cache is not None and capture != "dynamo":
         raise ValueError("weight_cache is an option of capture='dynamo' (whose weight cache is on by default); "
                          "elsewhere freeze=True keeps low weight copies")
@@ -99,44 +97,16 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
                                   weight_cache=True if weight_cache is None else weight_cache)
     with collector_paused():
         return _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace,
-                        overrides, why_parts)
+                        overrides)
 
 
 CAPTURES = ("dynamo", "parts")
-
-
-def needs_parts(config: AmpConfig) -> list[str]:
-    """What of a request only the parts capture does yet (fp8 delayed histories live on the parts)."""
-    return [name for name, given in (("fp8_scaling='delayed'", config.fp8 is not None
-                                      and config.fp8.scaling == "delayed"),) if given]
-
-
-def chosen_capture(level: str, capture: str | None = None, **overrides) -> str:
-    """The capture convert(model, level, inplace=True, capture=capture, ...) takes (an integration that calls
-    something else for dynamo's, e.g. a LightningModule's children, asks it first)."""
-    config_options = {name: value for name, value in overrides.items() if name not in CONVERT_ONLY}
-    return capture or default_capture(make_config(level, **config_options))[0]
-
-
-CONVERT_ONLY = ("weight_cache", "example_inputs", "freeze", "dynamic_shapes")   # convert()'s, not the level's
-
-
-def default_capture(config: AmpConfig) -> tuple[str, str]:
-    """(capture, why): dynamo's, or the parts' with the report's note naming what needs it."""
-    needed = needs_parts(config)
-    if not needed:
-        return "dynamo", ""
-    return "parts", f"captured in parts, not with TorchDynamo: {' and '.join(needed)} needs it"
 
 
 def _convert_on_dynamo(model, config, level, example_inputs, calibration_data, overrides, *,
                        weight_cache: bool = True) -> nn.Module:
     from amp_compiler.dynamo.compile import compile as compile_on_dynamo   # it imports this module
     from amp_compiler.in_place.conversion import capture_now, refuse_in_place_request
-    not_yet = needs_parts(config)
-    if not_yet:
-        raise ValueError(f"capture='dynamo' does not take {', '.join(not_yet)} yet: use capture='parts' "
-                         "(the default where a request needs it) for it")
     refuse_in_place_request(model, example_inputs)
     compile_on_dynamo(model, level, backend="eager", weight_cache=weight_cache, calibration_data=calibration_data,
                       **overrides)
@@ -158,12 +128,11 @@ def collector_paused():
             gc.enable()
 
 
-def _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace, overrides,
-             why_parts=""):
+def _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace, overrides):
     if inplace:
         # with_model_lists: the parts see the whole model's lists
         return convert_in_place(model, with_model_lists(config, model), example_inputs=example_inputs,
-                                calibration_data=calibration_data, freeze=freeze, why_parts=why_parts)
+                                calibration_data=calibration_data, freeze=freeze)
     try:
         captured = capture(model, example_inputs, dynamic_shapes)
     except TracingError as error:

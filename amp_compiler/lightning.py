@@ -54,7 +54,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.plugins.precision import Precision
 
 import amp_compiler
-from amp_compiler.convert import chosen_capture
 from amp_compiler.dynamo.compile import compile_children
 from amp_compiler.in_place.conversion import converted_in_place, in_place_conversion
 from amp_compiler.in_place.fp8_histories import load_histories, pop_history_keys
@@ -96,7 +95,7 @@ class AmpTraining:
     def convert(self, module: nn.Module) -> nn.Module:
         if converted_in_place(module) is None:   # a second fit() on the same model keeps its conversion
             options = dict(self.convert_options)
-            if _is_lightning_module(module) and chosen_capture(self.level, dtype=self.dtype, **options) == "dynamo":
+            if _is_lightning_module(module) and options.get("capture", "dynamo") == "dynamo":
                 # training_step calls the children, never the LightningModule's forward: each child is compiled
                 options.pop("capture", None)
                 options.pop("freeze", None)   # dynamo's weight cache is the freeze

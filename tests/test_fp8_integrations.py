@@ -35,8 +35,8 @@ def fp8_options(scaling: str, capture: str | None = None) -> dict:
             **({"capture": capture} if capture else {})}
 
 
-# fp8 delayed scaling keeps its amax histories on the parts capture only; current scaling runs on both
-SCALINGS_AND_CAPTURES = [("current", "parts"), ("delayed", "parts"), ("current", "dynamo")]
+# both recipes on both captures
+SCALINGS_AND_CAPTURES = [("current", "parts"), ("delayed", "parts"), ("current", "dynamo"), ("delayed", "dynamo")]
 WIDTH, CLASSES, BATCH = 32, 16, 8
 
 
@@ -96,12 +96,15 @@ def fp32_losses(data: list[dict]) -> list[float]:
     return train(model, data, torch.optim.SGD(model.parameters(), lr=0.5))
 
 
-def fp8_matmuls(model: nn.Module) -> int:
-    """fp8 matmul nodes in the graphs the in-place conversion captured so far (the newest graph per part, or
-    every graph dynamo made)."""
+def converted_graphs(model: nn.Module) -> list:
+    """The graphs the in-place conversion captured so far (the newest graph per part, or every graph dynamo made)."""
     conversion = in_place_conversion(model)
-    graph_modules = conversion.graph_modules() if conversion is not None else \
-        [gm for _, gm, _ in compiled_graphs(model)]
+    return conversion.graph_modules() if conversion is not None else [gm for _, gm, _ in compiled_graphs(model)]
+
+
+def fp8_matmuls(model: nn.Module) -> int:
+    """fp8 matmul nodes in the graphs the in-place conversion captured so far."""
+    graph_modules = converted_graphs(model)
     assert graph_modules, "not converted in place"
     return sum(fp8_matmuls_in(gm) for gm in graph_modules)
 
@@ -133,7 +136,7 @@ def assert_trained_like_fp32(losses: list[float], reference: list[float]) -> Non
 
 
 # -- 1. in place -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("scaling, capture", [("current", "parts"), ("delayed", "parts"), ("current", "dynamo")])
+@pytest.mark.parametrize("scaling, capture", SCALINGS_AND_CAPTURES)
 def test_in_place_keeps_the_object_and_trains_in_fp8(scaling, capture):
     model = Mlp()
     signature = inspect.signature(model.forward)
@@ -210,10 +213,10 @@ def test_delayed_eval_graph_reads_the_training_histories_and_records_nothing():
     model.eval()
     with torch.no_grad():
         model(batches(1, seed=5)[0]["x"] * 100)
-    assert len(in_place_conversion(model).graph_modules()) == 2
+    assert len(converted_graphs(model)) == 2
     after = histories(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    train_gm, eval_gm = in_place_conversion(model).graph_modules()
+    train_gm, eval_gm = converted_graphs(model)
     assert eval_gm.fp8_history.linear.x is train_gm.fp8_history.linear.x and not eval_gm.fp8_history.linear.training
 
 
@@ -331,7 +334,7 @@ def generate(model, along=None):
 
 
 @pytest.mark.real_models
-@pytest.mark.parametrize("scaling, capture", [("current", "parts"), ("delayed", "parts"), ("current", "dynamo")])
+@pytest.mark.parametrize("scaling, capture", SCALINGS_AND_CAPTURES)
 @pytest.mark.parametrize("build, lowered", [(_llama, 15), (_gpt2, 9)], ids=["llama", "gpt2"])
 def test_generate_at_fp8_keeps_the_model_and_its_logits_are_within_fp8s_error(build, lowered, scaling, capture):
     """Along the fp32 model's tokens (free-running greedy tokens of a random-init model diverge at the first
@@ -359,9 +362,9 @@ def test_generate_at_fp8_keeps_the_model_and_its_logits_are_within_fp8s_error(bu
 
 @pytest.mark.real_models
 def test_generate_after_training_reads_the_training_histories_and_records_nothing():
-    """A training call with labels captures the whole Llama (torch.export), generate() its projections one by one
-    (parts, KV cache): both key each matmul's histories by its module path, so the parts' graphs hold the
-    training graph's tensors (no new key) and, in eval mode, leave them as they were."""
+    """A training call with labels makes the training graph, generate() its prefill and decode graphs: all key each
+    matmul's histories by its module path, so the decode graphs hold the training graph's tensors (no new key)
+    and, in eval mode, leave them as they were."""
     torch.manual_seed(0)
     model = amp_compiler.convert(_llama(), "fp8", inplace=True, **fp8_options("delayed"))
     ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(2))
@@ -370,7 +373,7 @@ def test_generate_after_training_reads_the_training_histories_and_records_nothin
     assert fp8_matmuls(model) == 15 and len(trained) == 45
     assert all(v[0] > 0 and not v[1:].any() for v in trained.values())   # one training call recorded
     generate(model.eval())
-    assert len(in_place_conversion(model).graph_modules()) > 1 and fp8_matmuls(model) == 30
+    assert len(converted_graphs(model)) > 2 and fp8_matmuls(model) == 15 * len(converted_graphs(model))
     assert histories(model).keys() == trained.keys()
     assert all(torch.equal(trained[k], v) for k, v in histories(model).items())
 
@@ -567,7 +570,8 @@ def test_hf_trainer_runs_a_transformers_model_in_fp8_and_its_checkpoints_keep_th
         return model, trainer_losses(trainer)
 
     straight, losses = run(tmp_path / "straight")
-    assert fp8_matmuls(straight) == 13   # q/k/v/o, intermediate, output x 2 layers, pooler (the 3-class head: N=3)
+    # q/k/v/o, intermediate, output x 2 layers, pooler (the 3-class head: N=3), in each graph the run made
+    assert {fp8_matmuls_in(gm) for gm in converted_graphs(straight)} == {13}
     assert len(losses) == 8 and all(0 < loss < 3 for loss in losses)   # random labels: the MLP tests learn
     run(tmp_path / "run", save_strategy="steps", save_steps=4, max_steps=4)
     resumed, _ = run(tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-4"))

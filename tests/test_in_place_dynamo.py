@@ -96,11 +96,6 @@ def test_restore_explain_and_freeze_take_it():
     assert torch.equal(model(x), expected)
 
 
-def test_what_it_does_not_take_yet_is_refused_by_name():
-    with pytest.raises(ValueError, match="does not take fp8_scaling='delayed'"):
-        amp_compiler.convert(CustomGeluMlp(), "fp8", inplace=True, capture="dynamo", fp8_scaling="delayed")
-
-
 def test_it_needs_inplace_and_a_known_capture():
     with pytest.raises(ValueError, match="applies to inplace=True"):
         amp_compiler.convert(CustomGeluMlp(), "O1", capture="dynamo")
@@ -110,19 +105,18 @@ def test_it_needs_inplace_and_a_known_capture():
         amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, dynamic_shapes={"x": {0: "batch"}})
 
 
-def test_in_place_is_on_dynamo_by_default_and_on_parts_where_the_request_needs_them():
+def test_in_place_is_on_dynamo_by_default_whatever_the_request():
     model, x = CustomGeluMlp(), torch.randn(3, 16)
     assert amp_compiler.convert(model, "O1", inplace=True, dtype=torch.bfloat16) is model
     model(x)
     assert compiled_state(model) is not None and in_place_conversion(model) is None
     assert "front end torch.dynamo" in str(amp_compiler.explain(model))
+    # what took the parts before: calibration (test_dynamo_calibration), fp8 delayed histories (test_fp8_integrations)
     calibrated = amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, calibration_data=[(x,)])
-    assert compiled_state(calibrated) is not None   # calibration runs on dynamo's graphs (test_dynamo_calibration)
     delayed = amp_compiler.convert(CustomGeluMlp(), "fp8", inplace=True, fp8_scaling="delayed", fp8_min_dim=16)
     delayed(x)
-    assert compiled_state(delayed) is None and in_place_conversion(delayed) is not None
-    assert "note: captured in parts, not with TorchDynamo: fp8_scaling='delayed' needs it" in \
-        str(amp_compiler.explain(delayed))
+    for converted in (calibrated, delayed):
+        assert compiled_state(converted) is not None and in_place_conversion(converted) is None
 
 
 def test_a_deepcopy_and_a_torch_save_of_a_converted_model_run_their_own_weights():
@@ -349,8 +343,3 @@ def test_weight_cache_can_be_turned_off_and_parts_refuse_a_compiled_model():
         amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, capture="parts", weight_cache=False)
 
 
-def test_an_integration_asks_which_capture_convert_takes_with_its_own_options():
-    from amp_compiler.convert import chosen_capture
-    assert chosen_capture("O1", dtype=torch.bfloat16, weight_cache=False, freeze=True) == "dynamo"
-    assert chosen_capture("fp8", fp8_scaling="delayed") == "parts"
-    assert chosen_capture("O1", capture="parts") == "parts"

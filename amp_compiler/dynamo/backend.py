@@ -34,13 +34,14 @@ _GRAPHS: "weakref.WeakKeyDictionary[object, list[fx.GraphModule]]" = weakref.Wea
 
 
 def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module | None = None,
-                weight_cache: bool = True, calibration: GraphCalls | None = None) -> Callable:
+                weight_cache: bool = True, calibration: GraphCalls | None = None, histories=None) -> Callable:
     """A dynamo backend `(gm, example_inputs) -> callable`: the graph converted by `config`'s level, run as fx code
     (backend="eager") or compiled by inductor (backend="inductor"). `model`: the compiled model, when known; its
     parameters name the graph's weight inputs and graphs(model) lists what was converted. `weight_cache`
     (eager): inference calls reuse each weight's low copy while the weight is unchanged (weight_cache.py).
     `calibration`: the graph calls the calibration samples made (calibration.py): graphs made while they run
-    are converted once they are done, each on its own calls; later ones on their frame's calls that fit."""
+    are converted once they are done, each on its own calls; later ones on their frame's calls that fit.
+    `histories` (fp8 delayed scaling): the Fp8HistoryStore every graph's amax histories are bound to."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     # dynamo's code cache keeps the backend alive until torch._dynamo.reset(): a weak reference lets the model go
@@ -78,6 +79,9 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
                                            "graph_break": _where(reason) if getattr(reason, "graph_break", False)
                                            else None}
         _warn_at_the_recompile_limit(compile_id, model)
+        if histories is not None:   # before the cache: cached fp8 weights follow the histories
+            _record_in_training_only(converted, model)
+            histories.bind(converted, "")
         if convert_graph.caches_weights:
             cache_weight_casts(converted, convert_graph.weight_cache)
         compiled = converted
@@ -131,6 +135,15 @@ def _convert(gm: fx.GraphModule, names: dict, config: AmpConfig, example_inputs:
     converted.meta["amp"].update({"graph_inputs": names, "bodies": converted_bodies,
                                   "nodes_captured": sum(1 for _ in converted.graph.nodes)})
     return converted
+
+
+def _record_in_training_only(gm: fx.GraphModule, model: nn.Module | None) -> None:
+    """A graph's amax histories record when it was made for training: dynamo guards on the model's `training`, so
+    the flag at capture is the graph's (an eval graph reads what training recorded)."""
+    training = model.training if model is not None else True
+    for name, module in gm.named_modules():
+        if name.startswith("fp8_history."):
+            module.train(training)
 
 
 def graphs(model) -> list[fx.GraphModule]:

@@ -72,8 +72,10 @@ class CompiledForward:
         self.model, self.config, self.own_forward, self.options = model, config, own_forward, dict(options)
         self.calibration = calibration   # the calibration samples' graph calls (a copy's graphs read them too)
         trace_checkpoint_sequential()   # its segments recomputed low, not as written (bodies.py)
+        self.fp8_histories = _history_store(model, config)   # fp8 delayed: every graph's amax histories, shared
         self.converter = amp_backend(config, backend=options["backend"], model=model,
-                                     weight_cache=options["weight_cache"], calibration=calibration)
+                                     weight_cache=options["weight_cache"], calibration=calibration,
+                                     histories=self.fp8_histories)
         self.compiled = torch.compile(_frame_of_its_own(), backend=self.converter, dynamic=options["dynamic"])
         written = own_forward if own_forward is not None else types.MethodType(type(model).forward, model)
         functools.update_wrapper(self, written)   # inspect.signature(model.forward) stays the user's (generate reads it)
@@ -284,11 +286,22 @@ def restore_compiled(model: nn.Module) -> nn.Module:
         return model
     model.__dict__.pop("forward", None)
     forget_graphs(model)
+    if state.fp8_histories is not None:   # its state_dict keys go with it
+        state.fp8_histories.remove_hooks()
     for handle in state.undo:   # hooks an integration added for this capture (Apex O2's input and output casts)
         handle.remove()
     if state.own_forward is not None:
         model.__dict__["forward"] = state.own_forward
     return model
+
+
+def _history_store(model: nn.Module, config):
+    """fp8_scaling="delayed": the amax histories of every graph, by the matmul's module path, in the model's
+    state_dict (in_place/fp8_histories.py); None otherwise."""
+    if config.fp8 is None or config.fp8.scaling != "delayed":
+        return None
+    from amp_compiler.in_place.fp8_histories import DYNAMO, Fp8HistoryStore   # in_place imports this package
+    return Fp8HistoryStore(model, config.fp8.history, graphs=DYNAMO)
 
 
 def _forward_call(module: nn.Module, own_forward, *args, **kwargs):

@@ -23,7 +23,7 @@ from amp_compiler.frontend.hooks import HOOK_DICTS
 from amp_compiler.frontend.capture import refuse_low_parameters
 from amp_compiler.in_place.call_key import Uncapturable, call_key
 from amp_compiler.in_place import reuse
-from amp_compiler.in_place.fp8_histories import Fp8HistoryStore
+from amp_compiler.in_place.fp8_histories import Fp8HistoryStore, history_stores
 from amp_compiler.frontend.export_capture import parameters_read_as_constants
 from amp_compiler.in_place.guards import ModuleState, assigned_attributes, grad_mode_changes
 from amp_compiler.in_place.part import Graph, Part, PartForward, bound_call, low_node_count
@@ -52,7 +52,6 @@ class InPlaceConversion:
     reused: int = 0               # graphs bound from a template instead of captured (reuse.py)
     fp8_histories: object = None  # fp8 delayed scaling: the amax histories, in the model's state_dict
     warned_low_parameters: bool = False   # the model was made fp16/bf16 after converting: said once
-    why_parts: str = ""           # convert() chose this capture over dynamo's (the report's notes say why)
 
     def before_outermost_call(self) -> None:
         """Once per model call, before any part runs: the frozen copies whose weights' values changed go; a model
@@ -268,16 +267,16 @@ def _freeze_graph(gm, training: bool, conversion: InPlaceConversion) -> None:
 
 
 def convert_in_place(model: nn.Module, config: AmpConfig, *, example_inputs=None, calibration_data=None,
-                     freeze: bool = False, why_parts: str = "") -> nn.Module:
+                     freeze: bool = False) -> nn.Module:
     if isinstance(model, nn.Module):
         from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
         if compiled_state(model) is not None:
             raise ValueError(f"{type(model).__name__} is compiled by amp_compiler (capture='dynamo' or "
                              "amp_compiler.compile): call amp_compiler.restore(model) first to convert it with parts")
     refuse_in_place_request(model, example_inputs)
-    conversion = InPlaceConversion(model, config, freeze, why_parts=why_parts)
+    conversion = InPlaceConversion(model, config, freeze)
     if config.fp8 is not None and config.fp8.scaling == "delayed":
-        conversion.fp8_histories = Fp8HistoryStore(model)
+        conversion.fp8_histories = Fp8HistoryStore(model, config.fp8.history)
     if calibration_data is not None:
         conversion.calibration = _record_calls(model, calibration_data)
     model.__dict__[ATTRIBUTE] = conversion
@@ -386,19 +385,19 @@ class undone_effects:
 
     def __enter__(self):
         self.saved = [(b, b.detach().clone()) for b in self.model.buffers()]
-        store = getattr(in_place_conversion(self.model), "fp8_histories", None)
-        self.histories = store.tensors if store is not None else {}
-        self.saved_histories = {key: {name: t.clone() for name, t in tensors.items()}
-                                for key, tensors in self.histories.items()}
+        self.histories = [store.tensors for _, store in history_stores(self.model)]   # live: new keys too
+        self.saved_histories = [{key: {name: t.clone() for name, t in tensors.items()}
+                                 for key, tensors in histories.items()} for histories in self.histories]
 
     def __exit__(self, *exc):
         with torch.no_grad():
             for buffer, value in self.saved:
                 buffer.copy_(value)
-            for key, tensors in self.histories.items():   # made by this call's capture: empty, as a fresh one
-                for name, tensor in tensors.items():
-                    saved = self.saved_histories.get(key, {}).get(name)
-                    tensor.copy_(saved) if saved is not None else tensor.zero_()
+            for histories, saved_histories in zip(self.histories, self.saved_histories):
+                for key, tensors in histories.items():   # made by this call's capture: empty, as a fresh one
+                    for name, tensor in tensors.items():
+                        saved = saved_histories.get(key, {}).get(name)
+                        tensor.copy_(saved) if saved is not None else tensor.zero_()
 
 
 def _record_calls(model: nn.Module, samples) -> dict:

@@ -16,7 +16,9 @@ those very tensors as its Fp8History buffers:
 
 Nothing else changes in the state_dict; a model converted at another level or recipe has no such keys (load a
 delayed checkpoint there with strict=False). Each graph's Fp8History keeps its own training flag: only
-training-mode graphs record, eval graphs read what training recorded.
+training-mode graphs record, eval graphs read what training recorded. On TorchDynamo's capture the store is the
+compiled forward's and binds every graph dynamo makes (graphs=DYNAMO: weights are placeholders, module paths the
+user's already).
 """
 from __future__ import annotations
 
@@ -30,12 +32,14 @@ from amp_compiler.passes.fx.fp8_runtime import HISTORIES, Fp8History
 from amp_compiler.passes.node_facts import facts
 
 STATE_NAME = "_amp_fp8_history"   # <module path>.<STATE_NAME>.<x|w|grad> in the model's state_dict
+PARTS, DYNAMO = "parts", "dynamo"   # what captured the graphs a store binds
 
 
 class Fp8HistoryStore:
     """The conversion's amax histories: key (see module docstring) -> {"x", "w", "grad": the shared tensor}."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, length: int, graphs: str = PARTS):
+        self.length, self.graphs = length, graphs   # fp8_history: how many calls each history holds
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
         self.handles = [model.register_state_dict_post_hook(_Hook(self, "add_to_state_dict")),
                         model.register_load_state_dict_pre_hook(_Hook(self, "take_from_state_dict"))]
@@ -48,7 +52,7 @@ class Fp8HistoryStore:
     def bind(self, gm: torch.fx.GraphModule, part_path: str) -> None:
         """Make each Fp8History of a freshly captured graph hold the store's tensors for its matmul (the graph's
         own zeros, or its calibrated start, become the store's when the matmul has none yet)."""
-        for key, history in _histories_by_key(gm, part_path).items():
+        for key, history in _histories_by_key(gm, part_path, self.graphs).items():
             shared = self.tensors.get(key)
             if shared is None:
                 self.tensors[key] = {name: getattr(history, name) for name in HISTORIES}
@@ -82,9 +86,9 @@ class Fp8HistoryStore:
                 error_msgs.append(f"fp8 amax history {prefix}{key}: has {sorted(values)}, needs {list(HISTORIES)}")
                 continue
             shared = self.tensors.get(key)
-            wrong_length = [name for name, value in values.items() if value.numel() != _conversion_length(module)]
+            wrong_length = [name for name, value in values.items() if value.numel() != self.length]
             if shared is None and wrong_length:   # the graph captured later could not take it (bind refuses)
-                error_msgs.extend(_length_error(f"{prefix}{key}.{name}", values[name], _conversion_length(module))
+                error_msgs.extend(_length_error(f"{prefix}{key}.{name}", values[name], self.length)
                                   for name in wrong_length)
                 continue
             if shared is None:   # not captured yet: the graph captured later takes these
@@ -108,19 +112,20 @@ def load_histories(model: nn.Module, histories: dict | None) -> None:
     graphs captured so far and those captured later. Warns, rather than resume on other scales unsaid, when the
     checkpoint has none for a model converted at fp8_scaling="delayed" (they restart empty), or has some for a
     model converted otherwise (they are dropped)."""
-    store = getattr(model.__dict__.get("_amp_in_place"), "fp8_histories", None)
-    if store is None and histories:
+    stores = history_stores(model)
+    if not stores and histories:
         warnings.warn(f"the checkpoint holds {len(histories) // len(HISTORIES)} fp8 amax histories (fp8_scaling="
                       f"'delayed'), but {type(model).__name__} is not converted in place at that recipe: they are "
                       "dropped", UserWarning, stacklevel=3)
-    elif store is not None and not histories:
+    elif stores and not histories:
         warnings.warn(f"{type(model).__name__} is converted at fp8_scaling='delayed', but the checkpoint holds no "
                       "fp8 amax histories (saved before they were kept, or at another level): they restart empty, "
                       "so the next scales are not the interrupted run's", UserWarning, stacklevel=3)
-    if store is None or not histories:
+    if not stores or not histories:
         return
     errors: list[str] = []
-    store.take_from_state_dict(model, dict(histories), "", {}, True, [], [], errors)
+    for prefix, store in stores:   # a model whose children were compiled one by one: each child's, by its path
+        store.take_from_state_dict(model, dict(histories), prefix, {}, True, [], [], errors)
     if errors:
         raise RuntimeError("loading fp8 amax histories: " + "; ".join(errors))
 
@@ -130,9 +135,19 @@ def _length_error(key: str, loaded: torch.Tensor, length: int) -> str:
            "(fp8_history)"
 
 
-def _conversion_length(model: nn.Module) -> int:
-    """The fp8_history of `model`'s in-place conversion: the length of the histories its graphs hold."""
-    return model.__dict__["_amp_in_place"].config.fp8.history
+def history_stores(model: nn.Module) -> list[tuple[str, Fp8HistoryStore]]:
+    """(the state_dict prefix of its keys, the amax histories) of a model converted in place at
+    fp8_scaling="delayed": the model's own on either capture, or each compiled child's (compile_children,
+    compile_per_block); [] for any other model."""
+    from amp_compiler.dynamo.compile import CompiledChildren, compiled_state   # the dynamo package imports in_place
+    if not isinstance(model, nn.Module):
+        return []
+    state = model.__dict__.get("_amp_in_place") or compiled_state(model)
+    if isinstance(state, CompiledChildren):
+        return [(f"{path}.{prefix}", store) for path in state.children
+                for prefix, store in history_stores(model.get_submodule(path))]
+    store = getattr(state, "fp8_histories", None)
+    return [("", store)] if store is not None else []
 
 
 class _Hook:
@@ -150,7 +165,7 @@ def _is_history_key(key: str) -> bool:
     return len(parts) >= 2 and parts[-1] in HISTORIES and parts[-2].startswith(STATE_NAME)
 
 
-def _histories_by_key(gm: torch.fx.GraphModule, part_path: str) -> dict[str, Fp8History]:
+def _histories_by_key(gm: torch.fx.GraphModule, part_path: str, graphs: str = PARTS) -> dict[str, Fp8History]:
     """{"<user's module path>.<STATE_NAME>[_<weight>][_<i>of<n>]": the graph's Fp8History} for its delayed-scaled
     matmuls. A matmul is named by the parameter it reads as w, not by its place in the graph: a part's graphs
     (train, eval) may run different matmuls of one module (an `if self.training` branch), and each must get the
@@ -165,13 +180,13 @@ def _histories_by_key(gm: torch.fx.GraphModule, part_path: str) -> dict[str, Fp8
             continue
         module = next((facts(user).get("module") for user in node.users if facts(user).get("module") is not None),
                       None)
-        inside = _user_path(module) if module is not None else None
+        inside = module if module is None or graphs == DYNAMO else _user_path(module)
         path = ".".join(p for p in (part_path, inside) if p)
         base = f"{path}.{STATE_NAME}" if path else STATE_NAME
         if inside is None:   # no module recorded: the node's name keeps it apart
             base = f"{base}_{node.target.rsplit('.', 1)[1]}"
         else:
-            own = _own_name(_weight_parameter(node), inside)
+            own = _own_name(_weight_parameter(node, gm, graphs), inside)
             if own is not None and own != "weight":
                 base = f"{base}_{own.replace('.', '_')}"
         bases.append((base, gm.get_submodule(node.target)))
@@ -194,7 +209,7 @@ def _own_name(parameter: str | None, module: str) -> str | None:
     return parameter.removeprefix(f"{module}.") if parameter.startswith(f"{module}.") else None
 
 
-def _weight_parameter(history_node: torch.fx.Node) -> str | None:
+def _weight_parameter(history_node: torch.fx.Node, gm: torch.fx.GraphModule, graphs: str = PARTS) -> str | None:
     """The part-relative name of the parameter the matmul of `history_node` scales as its w operand (through
     the casts and views before its amax), or None when w is computed (an activation)."""
     scale = next((user for user in history_node.users if len(user.args) > 2 and user.args[2] == "w"), None)
@@ -203,6 +218,9 @@ def _weight_parameter(history_node: torch.fx.Node) -> str | None:
     while isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method") \
             and len(node.all_input_nodes) == 1:
         node = node.all_input_nodes[0]
+    if graphs == DYNAMO and isinstance(node, torch.fx.Node) and node.op == "placeholder":
+        weight = gm.meta.get("amp", {}).get("graph_inputs", {}).get(node.name)
+        return weight["name"] if weight is not None and weight["kind"] == "parameter" else None
     if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
         return None
     return _user_path(node.target)

@@ -87,8 +87,6 @@ def merged_summary(conversion: InPlaceConversion, summaries: list[tuple[str, dic
                "loss_scale_manager": config.loss_scale_manager, "leaf_modules": [], "notes": [], "opaque": {},
                "hooks": {}, "training_reads": {}, "casts": 0, "pass_counts": {}, "in_place": True,
                "parts": parts_summary(conversion)}
-    if conversion.why_parts:
-        summary["notes"].append(conversion.why_parts)
     if not summaries:
         summary["notes"].append(NOT_CALLED)
     for path, graph_summary in summaries:
