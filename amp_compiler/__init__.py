@@ -21,8 +21,8 @@ from amp_compiler.insight.verify import DtypeMismatch, verify
 from amp_compiler.passes.policy.op_policy import default_lists
 from amp_compiler.passes.fx.constant_range import FP16RangeWarning
 from amp_compiler.frontend.hooks import HookWarning
-from amp_compiler.in_place import CaptureLimitWarning, restore
-from amp_compiler.dynamo import compile  # noqa: A004  (TorchDynamo capture, opt-in: amp_compiler/dynamo/)
+from amp_compiler.dynamo import compile  # noqa: A004  (TorchDynamo capture: amp_compiler/dynamo/)
+from amp_compiler.dynamo.in_place import restore
 
 __all__ = ["convert", "explain", "PrecisionReport", "TracingError", "AmpConfig", "make_config",
            "default_lists", "verify", "DtypeMismatch"]
@@ -30,10 +30,10 @@ __all__ += ["LossScaleManager", "FixedLossScaleManager", "DynamicLossScaleManage
             "TrainStep", "low_weights", "LowWeights"]
 __all__ += ["GradScaler", "Overflow", "NonFiniteGradientsError"]
 __all__ += ["diff", "PrecisionDiff", "render", "compare", "ComparisonReport", "FP16RangeWarning", "HookWarning"]
-__all__ += ["freeze", "frozen_bytes", "load", "restore", "CaptureLimitWarning"]
+__all__ += ["freeze", "frozen_bytes", "load", "restore"]
 __all__ += ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict"]
 __all__ += ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionReport", "ValidationReport"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # The ONNX names load onnx, onnx_ir and onnxruntime on first use, not with the package (PEP 562); the Apex
 # names load on first use too.

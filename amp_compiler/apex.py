@@ -28,7 +28,6 @@ from torch import nn
 
 from amp_compiler.convert import convert
 from amp_compiler.dynamo.compile import compiled_state
-from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.train.low_weights import fused_copy_
 from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 from amp_compiler.train.scale_arguments import checked_scale
@@ -85,7 +84,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
 
     Returns the same objects, as Apex: lists where lists were given. Call it once, after building the models
     and optimizers and before wrapping them in DistributedDataParallel. `capture` (not Apex's): convert()'s,
-    TorchDynamo's by default (O2/O3's stored low weights are what its graphs read) or "parts".
+    TorchDynamo's, the only one (O2/O3's stored low weights are what its graphs read).
     """
     global _state
     if not enabled:
@@ -213,8 +212,7 @@ def _returned(models, model_list, optimizers, optimizer_list):
 
 def _check_fresh(models: list, optimizers: list) -> None:
     again = any(hasattr(optimizer, "_amp_stash") for optimizer in optimizers) or any(
-        getattr(in_place_conversion(model), "weights_cast_low", False) or compiled_state(model) is not None
-        for model in models)
+        compiled_state(model) is not None for model in models)
     if again:   # before the dtype check: its advice (model.float()) would leave the first masters stale
         raise RuntimeError("a model or optimizer went through amp_compiler.initialize already: call initialize "
                            "once, with every model and optimizer (lists)")
@@ -252,15 +250,16 @@ def _convert(model: nn.Module, properties: Properties, capture: str | None = Non
     keep_norms = properties.keep_batchnorm_fp32
     overrides = {} if keep_norms is None else {"keep_batchnorm_fp32": keep_norms}
     convert(model, properties.opt_level, inplace=True, dtype=properties.low_dtype, capture=capture, **overrides)
-    if properties.cast_weights and in_place_conversion(model) is not None:
-        in_place_conversion(model).weights_cast_low = True   # parts' captures see them fp32
-    elif properties.cast_weights:
-        # on dynamo the graphs are captured on calls, after _cast: they read the low weights as the model holds
+    if properties.cast_weights:
+        # the graphs are captured on calls, after _cast: they read the low weights as the model holds
         # them, so the model's code meets its inputs in the weights' dtype, as Apex's patched forward casts them
         # (`x * self.scale` then a conv: an fp32 input and low weights fail in dynamo's trace as in eager)
+        state = compiled_state(model)
+        for forward in (state, *(compiled_state(model.get_submodule(path)) for path in state.nested)):
+            forward.weights_cast_low = True   # on purpose: no "call model.float()" warning
         compiled_state(model).undo = (   # amp_compiler.restore(model) removes them
             model.register_forward_pre_hook(_InputsCast(properties.low_dtype), with_kwargs=True),
-            model.register_forward_hook(_outputs_fp32))   # the parts capture's outputs: fp32, as cast_model_outputs
+            model.register_forward_hook(_outputs_fp32))   # low outputs back fp32, as cast_model_outputs
 
 
 def _weights_to_cast(model: nn.Module, properties: Properties) -> list[torch.Tensor]:

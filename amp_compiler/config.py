@@ -77,8 +77,8 @@ def keep_in_fp32_modules(model: torch.nn.Module, low_dtype: torch.dtype) -> tupl
 
 
 def with_model_lists(config: AmpConfig, model: torch.nn.Module) -> AmpConfig:
-    """`config` with the model's keep-in-fp32 lists added to those it has (an in-place part's graph adds the
-    part's to the whole model's)."""
+    """`config` with the model's keep-in-fp32 lists added to those it has (a compiled child's graph adds the
+    child's to the whole model's)."""
     found = dict(config.model_keep_fp32)
     for fragment, why in keep_in_fp32_modules(model, config.low_dtype) if model is not None else ():
         found.setdefault(fragment, why)

@@ -21,7 +21,6 @@ from torch import nn
 
 from amp_compiler.config import AmpConfig, make_config, with_model_lists
 from amp_compiler.convert_children import convert_children
-from amp_compiler.in_place.conversion import convert_in_place
 from amp_compiler.frozen import freeze as freeze_weights
 from amp_compiler.frontend import CapturedGraph, TracingError, capture, graph_module_to_compile
 from amp_compiler.frontend.hooks import hook_fates, user_hooks_silenced
@@ -69,15 +68,17 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     `freeze=True`: inference calls read low-precision weight copies made once (amp_compiler.freeze).
     `inplace=True`: the model itself is converted and returned (same class, methods, forward signature and
     state_dict); it is captured on its first calls, example_inputs optional.
-    `capture` (inplace=True): "dynamo", the default: TorchDynamo captures the model's calls and the same passes
-    convert each graph (amp_compiler.compile(model, level, backend="eager"): generate() with attention low,
-    checkpointing recomputed, a weight-cast cache in inference, on by default: freeze=True changes nothing there,
-    weight_cache=False turns it off; see amp_compiler/dynamo/). "parts": the model's parts captured with fx or
-    torch.export and guarded by amp-compiler (in_place/), on request only. A model sharded with FSDP2 per block
-    (before or after converting) is compiled per block on its first sharded call (dynamo/compile.py).
+    In place, TorchDynamo captures the model's calls and the same passes convert each graph
+    (amp_compiler.compile(model, level, backend="eager"): generate() with attention low, checkpointing
+    recomputed, calibration on the graphs' own inputs, a weight-cast cache in inference, on by default:
+    freeze=True changes nothing there, weight_cache=False turns it off; see amp_compiler/dynamo/). A model
+    sharded with FSDP2 per block is compiled per block on its first sharded call. `capture="dynamo"` names that
+    capture (the only one: the parts capture of 0.1 was retired, see CHANGELOG.md).
     """
     if capture is not None and capture not in CAPTURES:
-        raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}; got {capture!r}")
+        retired = " (the parts capture was retired: in-place conversion runs on TorchDynamo, which takes every " \
+                  "request it took)" if capture == "parts" else ""
+        raise ValueError(f"capture must be {', '.join(map(repr, CAPTURES))}; got {capture!r}{retired}")
     weight_cache = overrides.pop("weight_cache", None)
     config = make_config(level, **overrides)
     check_calibration_data(calibration_data)   # before any work: a bare tensor would be split into rows
@@ -87,26 +88,26 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
     if inplace and dynamic_shapes is not None:
         raise ValueError("dynamic_shapes does not apply to inplace=True: the model is captured on the calls it gets, "
                          "and captured shape-generic again when a call's shapes need it")
-    if inplace and capture is None:
-        capture = "dynamo"
-    if weight_cache is not None and capture != "dynamo":
-        raise ValueError("weight_cache is an option of capture='dynamo' (whose weight cache is on by default); "
-                         "elsewhere freeze=True keeps low weight copies")
-    if capture == "dynamo":
+    if weight_cache is not None and not inplace:
+        raise ValueError("weight_cache applies to inplace=True (whose weight cache is on by default); without it "
+                         "freeze=True keeps low weight copies")
+    if inplace and freeze and weight_cache is False:
+        raise ValueError("freeze=True keeps low weight copies and weight_cache=False keeps none: in place the weight "
+                         "cache is the freeze (on by default); pass one of them")
+    if inplace:
         return _convert_on_dynamo(model, config, level, example_inputs, calibration_data, overrides,
                                   weight_cache=True if weight_cache is None else weight_cache)
     with collector_paused():
-        return _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace,
-                        overrides)
+        return _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, overrides)
 
 
-CAPTURES = ("dynamo", "parts")
+CAPTURES = ("dynamo",)   # in place: TorchDynamo's
 
 
 def _convert_on_dynamo(model, config, level, example_inputs, calibration_data, overrides, *,
                        weight_cache: bool = True) -> nn.Module:
     from amp_compiler.dynamo.compile import compile as compile_on_dynamo   # it imports this module
-    from amp_compiler.in_place.conversion import capture_now, refuse_in_place_request
+    from amp_compiler.dynamo.in_place import capture_now, refuse_in_place_request
     refuse_in_place_request(model, example_inputs)
     compile_on_dynamo(model, level, backend="eager", weight_cache=weight_cache, calibration_data=calibration_data,
                       **overrides)
@@ -128,11 +129,7 @@ def collector_paused():
             gc.enable()
 
 
-def _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, inplace, overrides):
-    if inplace:
-        # with_model_lists: the parts see the whole model's lists
-        return convert_in_place(model, with_model_lists(config, model), example_inputs=example_inputs,
-                                calibration_data=calibration_data, freeze=freeze)
+def _convert(model, config, level, example_inputs, dynamic_shapes, calibration_data, freeze, overrides):
     try:
         captured = capture(model, example_inputs, dynamic_shapes)
     except TracingError as error:
@@ -161,7 +158,7 @@ def compile_graph(captured: CapturedGraph, config: AmpConfig, calibration_data=N
     """FX_PIPELINE on a copy of `captured`'s graph (the capture is left as it was: compile it again with
     another config). `convert_again(model_copy)` converts the model in other train()/eval() flags when the
     graph read `self.training` (default: capture that copy and compile it with this config); follow_flags=False:
-    the caller does that itself (an in-place part keys its graphs by the user's modules' flags).
+    the caller does that itself (dynamo guards on the user's modules' flags).
     spend_capture=True (convert(): one compilation per capture): the passes edit the capture's own graph, no copy."""
     model, example_inputs = captured.model, captured.example_inputs
     config = with_model_lists(config, model)   # a copy: target devices are written on it below; _keep_in_fp32_modules

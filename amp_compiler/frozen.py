@@ -13,8 +13,8 @@ no_grad), same storage and shape (`param.data = t`), and the same values at a sa
 (`param.data.mul_(...)` writes through `.data`, which PyTorch gives a version counter of its own, so only the
 values can tell). Otherwise it is made again. The values of all weights are compared in one operation at the
 start of each call (one device sync per call: on an H200 a comparison per weight made a frozen BERT-base
-call 1.9x autocast's time); a model converted in place compares all its part graphs' weights once per model
-call (JoinedValueCheck), not once per graph. In training mode, when autograd needs the weight's gradient
+call 1.9x autocast's time); a model converted in place shares one holder across its graphs
+(dynamo/weight_cache.py). In training mode, when autograd needs the weight's gradient
 (grad enabled and requires_grad), and inside torch.compile, the weight is cast on every call as before
 (a compiled frozen graph checking its copies ran 1.26-1.30x slower than the compiled unfrozen one).
 At the fp8 level each fp8 matmul's weight is kept once as float8_e4m3fn with its scale (read_fp8; 1 byte a
@@ -23,7 +23,6 @@ at fp8_scaling="delayed" the copy is made again when the weight's amax history c
 """
 from __future__ import annotations
 
-import itertools
 import weakref
 from dataclasses import dataclass
 
@@ -31,7 +30,6 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.passes.fx.fp8_runtime import fp8_amax, fp8_cast, fp8_delayed_scale, fp8_scale
 from amp_compiler.passes.fx.freeze_weight_casts import freeze_weight_casts
 from amp_compiler.passes.fx.runtime import amp_cast, amp_frozen_cast, graph_leaf
@@ -109,14 +107,9 @@ def _values_unchanged(joined: list[tuple[list[_Copy], torch.Tensor]]) -> bool:
     return all(torch.equal(torch.cat([c.sampled for c in group]), sample) for group, sample in joined)
 
 
-_CHANGES = itertools.count(1)   # FrozenWeights.changes: unique over all holders, so a list of them is a stamp
-
-
 class FrozenWeights(nn.Module):
     """The low-precision copies of one graph's weights, keyed by (weight, dtype). No parameters, no buffers:
     the state_dict is the model's; the copies are not saved (torch.save/deepcopy drop them)."""
-    checked_together = False   # a JoinedValueCheck compares this holder's values: check() leaves them to it
-    changes = 0                # a new number each time the copies change
 
     def __init__(self, sample_values: bool = True):
         super().__init__()
@@ -127,8 +120,7 @@ class FrozenWeights(nn.Module):
 
     def check(self) -> None:
         """Drop every copy whose weight's sampled values changed: one comparison per device for all weights."""
-        if (not self.sample_values or self.checked_together or self.training or torch.compiler.is_compiling()
-                or not self._copies):
+        if not self.sample_values or self.training or torch.compiler.is_compiling() or not self._copies:
             return
         if self._samples is None:
             self._samples = _joined_samples(list(self._copies.values()))
@@ -142,7 +134,6 @@ class FrozenWeights(nn.Module):
 
     def _copies_changed(self) -> None:
         self._samples = None
-        self.changes = next(_CHANGES)
 
     def casts_each_call(self, weight: torch.Tensor) -> bool:
         """While training, when autograd needs the weight, and under torch.compile (the checks would be guards:
@@ -208,41 +199,6 @@ class FrozenWeights(nn.Module):
 
     def __deepcopy__(self, memo):
         return FrozenWeights(self.sample_values).train(self.training)
-
-
-class JoinedValueCheck:
-    """The sampled-value comparison of many FrozenWeights at once. A model converted in place holds one per
-    part graph (a Llama decoder: 21 per decoded token); comparing each graph's samples on its own call cost
-    about 12 us each on a CPU (4% of a 4x512 Llama's decode step) and would be a device sync each on a GPU.
-    The owner calls check() once per model call; the holders added here compare nothing themselves. What is
-    given up: a write through `.data` made while a model call runs (a hook of the model's) is seen on the
-    next call, not by the rest of this one. Identity, version and storage are still checked on every read,
-    so optimizer steps, load_state_dict and in-place writes under no_grad are always seen at once."""
-
-    def __init__(self):
-        self._holders: list[weakref.ref] = []   # weak: a graph dropped takes its copies with it
-        self._stamp: list[int] | None = None     # the holders' `changes` when _samples was joined
-        self._samples: list = []
-
-    def add(self, holder: FrozenWeights) -> None:
-        holder.checked_together = True
-        self._holders.append(weakref.ref(holder))
-
-    def check(self) -> None:
-        if torch.compiler.is_compiling():
-            return
-        holders = [h for ref in self._holders if (h := ref()) is not None and h.sample_values and not h.training]
-        stamp = [h.changes for h in holders]
-        if stamp != self._stamp:
-            self._holders = [ref for ref in self._holders if ref() is not None]
-            self._samples = _joined_samples([c for h in holders for c in h._copies.values()])
-            self._stamp = stamp
-        if not _values_unchanged(self._samples):   # rare: each holder finds which of its copies changed
-            for holder in holders:
-                holder.drop_changed()
-
-    def __getstate__(self):   # torch.save/deepcopy of the model: the copy's graphs are captured again
-        return {"_holders": [], "_stamp": None, "_samples": []}
 
 
 # id(copy.low) -> the _Copy, while it lives: frozen_linear tells a frozen copy from any other low tensor
@@ -320,8 +276,8 @@ def fuse_packed_linears(gm: fx.GraphModule) -> int:
 
 
 def pack_linears(model: nn.Module) -> nn.Module:
-    """Let the frozen graphs of `model` (convert(..., freeze=True) or freeze() results, or a model converted in
-    place and frozen: its part graphs, those captured later too) run their linears on oneDNN-packed copies of
+    """Let the frozen graphs of `model` (convert(..., freeze=True) or freeze() results) run their linears on
+    oneDNN-packed copies of
     the frozen bf16 weights, on CPU: a decode step of a 4x512 Llama (batch 1, 1 thread) 20% faster. The cost:
     a second low-precision copy of each Linear weight (frozen_bytes counts it: 2x). Returns `model`.
     On TorchDynamo's capture (convert(model, inplace=True)) the weight cache packs them already, keeping the packed
@@ -334,14 +290,6 @@ def pack_linears(model: nn.Module) -> nn.Module:
         if not all(forward.converter.caches_weights for forward in forwards):
             raise TypeError("pack_linears() packs cached weight copies; this model was compiled with "
                             "weight_cache=False (or backend='inductor'): compile it with weight_cache=True")
-        return model
-    conversion = in_place_conversion(model)
-    if conversion is not None:
-        if not conversion.freeze:
-            raise TypeError("pack_linears() packs frozen weight copies; this in-place converted model is not frozen: "
-                            "convert it with freeze=True or call amp_compiler.freeze(model) first")
-        conversion.pack_linears = True
-        conversion.freeze_graphs(conversion.sample_values)   # packs the graphs captured so far
         return model
     graphs = [m for m in model.modules() if isinstance(m, fx.GraphModule) and hasattr(m, HOLDER)]
     if not graphs:
@@ -384,10 +332,6 @@ def freeze(model: nn.Module, *, sample_values: bool = True) -> nn.Module:
     writes to, e.g. latency-bound GPU inference."""
     if not isinstance(sample_values, bool):
         raise TypeError(f"sample_values must be True or False, got {sample_values!r}")
-    conversion = in_place_conversion(model)
-    if conversion is not None:   # convert(model, inplace=True): its parts' graphs, those captured later too
-        conversion.freeze_graphs(sample_values)
-        return model
     from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
     compiled = compiled_state(model)
     if compiled is not None:   # amp_compiler.compile / capture="dynamo": its weight cache is the freeze
@@ -399,6 +343,8 @@ def freeze(model: nn.Module, *, sample_values: bool = True) -> nn.Module:
             raise TypeError("this model was compiled with weight_cache=False (or backend='inductor'): compile it "
                             "again with weight_cache=True to keep low weight copies")
         compiled.converter.weight_cache.sample_values = sample_values
+        for path in compiled.nested:   # compiled with it (an encoder-decoder's encoder)
+            freeze(model.get_submodule(path), sample_values=sample_values)
         return model
     graphs = _converted_graphs(model)
     if not graphs and not any(hasattr(m, HOLDER) for m in model.modules()):
@@ -426,8 +372,6 @@ def freeze_graph(gm: fx.GraphModule, sample_values: bool = True, *, training: bo
 def frozen_bytes(model: nn.Module) -> int:
     """Bytes the low-precision weight copies of `model`'s frozen graphs hold now."""
     from amp_compiler.dynamo.compile import compiled_graphs   # the dynamo package imports this module
-    conversion = in_place_conversion(model)
-    graphs = conversion.graph_modules() if conversion is not None else []   # outside the model's module tree
-    graphs += [gm for _, gm, _ in compiled_graphs(model)]
+    graphs = [gm for _, gm, _ in compiled_graphs(model)]   # outside the model's module tree
     holders = {id(m): m for root in (model, *graphs) for m in root.modules() if isinstance(m, FrozenWeights)}
     return sum(m.nbytes() for m in holders.values())   # a holder shared by graphs counted once

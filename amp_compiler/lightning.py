@@ -6,14 +6,11 @@
 `convert_module` converts the model IN PLACE (`amp_compiler.convert(module, level, inplace=True)`): Lightning's
 DDP strategies call it and drop what it returns, so only an in-place conversion reaches the model they train.
 
-Which modules become parts. An in-place conversion installs a part on the model's own `forward`; its children
-become parts only once that forward has run as written. A LightningModule's `training_step` often calls a
-submodule (`self.model(x)`, `self.encoder(x)`) and never the LightningModule's forward, so converting it alone
-would convert nothing. The plugin therefore converts the LightningModule in place AND makes its direct children
-(with parameters; ModuleList/ModuleDict items) parts of the same conversion right away: a training_step that
-calls `self(x)` runs the root's graph, one that calls `self.model(x)` runs the child's graph, and there is one
-`model._amp_in_place`, so `amp_compiler.explain(lightning_module)` / `render` show every part. A plain module
-given to Fabric is converted alone (Fabric calls its forward).
+Which modules are compiled. A LightningModule's `training_step` often calls a submodule (`self.model(x)`,
+`self.encoder(x)`) and never the LightningModule's forward, so compiling its forward alone would convert
+nothing. The plugin compiles each direct child with parameters instead (dynamo.compile.compile_children): a
+training_step that calls `self.model(x)` runs that child's graphs, and `amp_compiler.explain(lightning_module)` /
+`render` show every child's. A plain module given to Fabric is converted alone (Fabric calls its forward).
 
 fp16 loss scaling uses this project's scaler (`amp_compiler.GradScaler`, or any `LossScaleManager` passed as
 `scaler=`), in the order of Lightning's own MixedPrecision plugin: `pre_backward` (Fabric: `backward`) scales
@@ -55,13 +52,14 @@ from lightning.pytorch.plugins.precision import Precision
 
 import amp_compiler
 from amp_compiler.dynamo.compile import compile_children
-from amp_compiler.in_place.conversion import converted_in_place, in_place_conversion
-from amp_compiler.in_place.fp8_histories import load_histories, pop_history_keys
+from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.dynamo.fp8_histories import pop_history_keys
+from amp_compiler.dynamo.in_place import load_histories
 from amp_compiler.train.loss_scale import LossScaleManager
 from amp_compiler.train.overflow_report import locate_overflow
 
 LOW_DTYPES = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
-SUMMARY_LINES = 6      # explain()'s opening lines logged at fit start: header, nodes, parts
+SUMMARY_LINES = 6      # explain()'s opening lines logged at fit start: header, nodes, islands
 REFUSED_STRATEGIES = {
     "DeepSpeedStrategy": "DeepSpeed casts and scales the model itself",
     "ModelParallelStrategy": "FSDP2/tensor-parallel sharding is not tested with in-place conversion",
@@ -93,21 +91,21 @@ class AmpTraining:
 
     # -- conversion ------------------------------------------------------------------------------------------
     def convert(self, module: nn.Module) -> nn.Module:
-        if converted_in_place(module) is None:   # a second fit() on the same model keeps its conversion
+        if compiled_state(module) is None:   # a second fit() on the same model keeps its conversion
             options = dict(self.convert_options)
-            if _is_lightning_module(module) and options.get("capture", "dynamo") == "dynamo":
+            if _is_lightning_module(module):
                 # training_step calls the children, never the LightningModule's forward: each child is compiled
-                options.pop("capture", None)
                 options.pop("freeze", None)   # dynamo's weight cache is the freeze
                 if "example_inputs" in options:
                     raise ValueError("example_inputs are the LightningModule's, whose forward training_step does not "
-                                     "call: on TorchDynamo's capture its children are captured on their first calls; "
-                                     "pass capture='parts' to capture with example inputs")
+                                     "call: its children are captured on their first calls instead")
+                capture = options.pop("capture", "dynamo")
+                if capture != "dynamo":
+                    raise ValueError(f"capture must be 'dynamo'; got {capture!r}" +
+                                     (" (the parts capture was retired)" if capture == "parts" else ""))
                 compile_children(module, self.level, backend="eager", dtype=self.dtype, **options)
             else:
                 amp_compiler.convert(module, self.level, inplace=True, dtype=self.dtype, **options)
-                if _is_lightning_module(module) and in_place_conversion(module) is not None:
-                    in_place_conversion(module).parts[""].children_become_parts()
         self.model = module
         return module
 
@@ -145,7 +143,7 @@ class AmpTraining:
                 "or depends on state the replay does not restore)")
 
     def write_report(self) -> None:
-        if self.report_html and self.model is not None and converted_in_place(self.model) is not None \
+        if self.report_html and self.model is not None and compiled_state(self.model) is not None \
                 and rank_zero_only.rank == 0:
             amp_compiler.render(self.model, self.report_html)
 
@@ -207,7 +205,7 @@ class AmpPrecision(ScalerHooks, Precision):
         return super().state_dict()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # fp8 delayed scaling: the model's state_dict holds its amax histories (in_place/fp8_histories.py), but on
+        # fp8 delayed scaling: the model's state_dict holds its amax histories (dynamo/fp8_histories.py), but on
         # resume Lightning loads "state_dict" before convert_module converts the model, and the unconverted model
         # refuses their keys. They are stored beside it and loaded after the conversion (on_load_checkpoint).
         histories = pop_history_keys(checkpoint["state_dict"])

@@ -1,6 +1,6 @@
-"""Decode latency of a Llama-shaped model, bf16 on CPU: fp32, torch.autocast, converted in place (O1),
-converted in place with frozen weight copies (freeze=True), and those copies oneDNN-packed for the linears
-(amp_compiler.frozen.pack_linears). Greedy, KV cache on; alternated runs, medians.
+"""Decode latency of a Llama-shaped model, bf16 on CPU: fp32, torch.autocast, and converted in place (O1, on
+TorchDynamo, its weight cache on by default: one oneDNN-packed bf16 copy per linear) and with weight_cache=False
+(every weight cast on every call). Greedy, KV cache on; alternated runs, medians.
 
 Every variant runs as users run it: the whole decode under `torch.no_grad()` (what `generate()` uses), and
 autocast entered once around it, `with torch.autocast(...): model.generate(...)`, so autocast's weight-cast
@@ -9,12 +9,12 @@ autocast per forward, or running under `inference_mode` (where autocast caches n
 no user runs and flatters every other variant.
 
     python benchmarks/bench_decode.py [--batches 1,8] [--repeats 7] [--vocab 8000] [--threads 2]
-    python benchmarks/bench_decode.py --profile frozen --batches 1     # cProfile of the decode steps, top rows
+    python benchmarks/bench_decode.py --profile "in place" --batches 1     # cProfile of the decode steps
 
 Each run: one prefill forward over the prompt (its time is the "prefill" column), then --new - 1 forwards of
 one token each reading the KV cache (their mean is "decode ms/token"). The same greedy loop for every
 variant, written out here rather than generate(), so its bookkeeping is no part of either figure.
-The in-place models are warmed first: their parts capture on the first call of each kind (prefill, decode).
+The in-place models are warmed first: dynamo makes their graphs on the first calls (prefill, decode).
 The "generate ms" column times `model.generate(max_new_tokens=--new)` itself, end to end, in the same contexts.
 """
 from __future__ import annotations
@@ -38,11 +38,9 @@ sys.path[:0] = [ROOT]
 
 import amp_compiler  # noqa: E402
 import amp_compiler.models.torchvision_ops  # noqa: E402,F401  (transformers imports torchvision's C ops)
-from amp_compiler.frozen import pack_linears  # noqa: E402
-from amp_compiler.in_place.conversion import in_place_conversion  # noqa: E402
 
 LOW = torch.bfloat16
-VARIANTS = ("fp32", "autocast", "in place", "in place frozen", "frozen + packed", "dynamo eager")
+VARIANTS = ("fp32", "autocast", "in place", "in place uncached")
 
 
 def llama(vocab: int, hidden: int, intermediate: int, layers: int, heads: int):
@@ -64,14 +62,8 @@ def variants(model, names=VARIANTS) -> dict:
         "autocast": lambda: (model, autocast_region),
         "in place": lambda: (amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True),
                              contextlib.nullcontext),
-        "in place frozen": lambda: (amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True,
-                                                         freeze=True), contextlib.nullcontext),
-        "frozen + packed": lambda: (pack_linears(amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW,
-                                                                      inplace=True, freeze=True)),
-                                    contextlib.nullcontext),
-        # convert(inplace=True, capture="dynamo"): dynamo's capture, the weight cache on by default
-        "dynamo eager": lambda: (amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True,
-                                                      capture="dynamo"), contextlib.nullcontext),
+        "in place uncached": lambda: (amp_compiler.convert(copy.deepcopy(model), "O1", dtype=LOW, inplace=True,
+                                                                   weight_cache=False), contextlib.nullcontext),
     }
     return {name: makers[name]() for name in names}
 
@@ -122,15 +114,6 @@ def measure(runs: dict, prompt, new: int, repeats: int, config, clock) -> tuple[
             whole[name].append(generate_ms(run, prompt, new, clock))
     return {name: (statistics.median(prefill[name]), statistics.median(decode[name]),
                    statistics.median(whole[name])) for name in runs}, tokens
-
-
-def part_counts(model) -> str:
-    """graphs / as written / both, over the parts of an in-place converted model."""
-    parts = in_place_conversion(model[0]).parts.values()
-    graphs = sum(1 for p in parts if p.graphs and not p.as_written)
-    written = sum(1 for p in parts if p.as_written and not p.graphs)
-    return f"{graphs} graphs / {written} as written" + (f" / {len(parts) - graphs - written} both"
-                                                         if len(parts) != graphs + written else "")
 
 
 def profile(run, prompt, new: int, config, top: int) -> str:
@@ -201,8 +184,9 @@ def main() -> None:
              f"entered once around each decode (as around generate()); median of {args.repeats} alternated runs",
              ["batch", "variant", "prefill ms", "decode ms/token", "decode vs fp32", "decode vs autocast",
               "prefill vs autocast", "generate ms", "generate vs autocast", "tokens = fp32's"], rows)
-    for name in [n for n in chosen if n in VARIANTS[2:5]]:
-        print(f"\n{name}: {part_counts(runs[name])}, frozen copies {amp_compiler.frozen_bytes(runs[name][0]) / 1e6:.1f} "
+    for name in [n for n in chosen if n in VARIANTS[2:]]:
+        made = len(amp_compiler.dynamo.graphs(runs[name][0]))
+        print(f"\n{name}: {made} graphs, cached weight copies {amp_compiler.frozen_bytes(runs[name][0]) / 1e6:.1f} "
               f"MB (fp32 parameters {params * 4:.1f} MB)")
 
 

@@ -6,7 +6,7 @@ Lightning row(s): the same zoo model ("full" size) trained by Trainer.fit with S
 timed per step by a callback (on_train_batch_start -> on_train_batch_end: forward, backward, optimizer step),
 median over the timed steps of all rounds. Variants: precision="32-true", Lightning's precision="bf16-mixed"
 (torch.autocast), and Trainer(plugins=[AmpPrecision("O1", dtype=torch.bfloat16)]) (the first steps capture
-the parts: they are in the warm-up). Rounds alternate the variants so machine load hits them alike.
+the graphs: they are in the warm-up). Rounds alternate the variants so machine load hits them alike.
 `--clock cpu` times the process's CPU time (all threads) instead of wall time: steadier on a shared machine.
 Prints a markdown table; other frameworks (HF Trainer, Accelerate) can add rows from their own files.
 """

@@ -8,7 +8,7 @@ Accelerator(mixed_precision="no") in fp32, mixed_precision="bf16", and amp_compi
 dtype=torch.bfloat16) under mixed_precision="no". Every variant trains its own copy of the same initial model
 with AdamW on the same batches. A step is one forward, backward and optimizer step (Trainer: on_step_begin to
 on_step_end, so the Trainer's own bookkeeping is in it). The first two steps of a variant's first round are warm-up
-(the in-place parts capture on their first call) and not timed; the figure is the median of the timed steps over
+(dynamo makes the in-place graphs on their first call) and not timed; the figure is the median of the timed steps over
 all rounds. Accelerate keeps one process-wide state, so the variants run one after the other (each round runs them
 all once), not interleaved step by step; --clock cpu (the default) reads process CPU time, which another job on
 the machine disturbs less than wall time.

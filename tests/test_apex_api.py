@@ -17,7 +17,7 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler import apex
-from amp_compiler.passes.fx.runtime import amp_cast, is_cast
+
 
 LEVELS = ("O0", "O1", "O2", "O3")
 
@@ -103,7 +103,8 @@ def test_levels_leave_apex_dtypes_and_masters(level):
         assert own == [name.startswith("norm") for name in fp32]
     else:   # the optimizer steps the model's own parameters
         assert all(m is p for m, p in zip(masters, model.parameters()))
-    assert (amp_compiler.in_place.conversion.converted_in_place(model) is None) == (level == "O0")
+    from amp_compiler.dynamo.compile import compiled_state
+    assert (compiled_state(model) is None) == (level == "O0")
 
 
 def test_o2_keep_batchnorm_fp32_false_casts_norms_and_their_statistics():
@@ -136,7 +137,7 @@ def test_enabled_false_changes_nothing():
     with amp_compiler.scale_loss(loss, optimizer) as scaled:
         assert scaled is loss
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert "step" not in optimizer.__dict__ and "_amp_in_place" not in model.__dict__
+    assert "step" not in optimizer.__dict__ and "_amp_compiled" not in model.__dict__
 
 
 # -- training against a plain-torch reference -----------------------------------------------------------
@@ -157,16 +158,15 @@ def reference_o2_step(weight, bias, momentum, x, y, low, scale, lr=0.5, beta=0.5
     return (*updated, scale)
 
 
-@pytest.mark.parametrize("capture", ["parts", "dynamo"])
 @pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
-def test_o2_trains_like_the_hand_written_reference(low, capture):
+def test_o2_trains_like_the_hand_written_reference(low):
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = nn.Linear(3, 2)
     weight, bias = model.weight.detach().clone(), model.bias.detach().clone()
     momentum = [torch.empty(0), torch.empty(0)]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
-    amp_compiler.initialize(model, optimizer, opt_level="O2", cast_model_type=low, verbosity=0, capture=capture)
+    amp_compiler.initialize(model, optimizer, opt_level="O2", cast_model_type=low, verbosity=0)
     scale = scales()[0]
     assert scale == (2.0 ** 16 if low == torch.float16 else 1.0)   # bf16: fp32's range, no scaling
     skipped = 0
@@ -185,15 +185,8 @@ def test_o2_trains_like_the_hand_written_reference(low, capture):
         assert scales() == [scale]
     # fp16: 2**16 overflows these gradients: the first steps calibrate the scale, then steps are taken
     assert 0 < skipped < 6 if low == torch.float16 else skipped == 0
-    if capture == "dynamo":   # the graphs dynamo captured after the cast read the low weights themselves
-        from amp_compiler.dynamo import graphs
-        assert graphs(model) and "torch.dynamo" in str(amp_compiler.explain(model))
-
-
-def graphs_of(model):
-    graphs = [g.gm for part in model._amp_in_place.parts.values() for gs in part.graphs.values() for g in gs]
-    assert graphs, "the model should run a captured graph"
-    return graphs
+    from amp_compiler.dynamo import graphs   # the graphs dynamo captured after the cast read the low weights
+    assert graphs(model) and "torch.dynamo" in str(amp_compiler.explain(model))
 
 
 @pytest.mark.parametrize("model_class", [TinyNet, ConvBnModel])
@@ -205,7 +198,7 @@ def test_o2_on_dynamo_runs_a_model_whose_code_mixes_its_input_with_a_low_weight(
     model = model_class().eval()
     reference = copy.deepcopy(model)
     amp_compiler.initialize(model, torch.optim.SGD(model.parameters(), lr=1), opt_level="O2",
-                            cast_model_type=torch.bfloat16, verbosity=0, capture="dynamo")
+                            cast_model_type=torch.bfloat16, verbosity=0)
     x = torch.randn(5, 4) if model_class is TinyNet else torch.randn(2, 3, 5, 5)
     out, expected = model(x), reference(x)
     assert out.dtype == torch.float32 and amp_compiler.dynamo.graphs(model)
@@ -221,35 +214,14 @@ def test_restore_removes_the_input_and_output_casts_of_o2_on_dynamo():
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
-@pytest.mark.parametrize("model_class", [TinyNet, ConvBnModel])
-def test_o2_graph_is_convert_s_and_its_weight_casts_are_no_ops(model_class):
-    """The graph is the one the compiler's O2 builds for the fp32 model (captures see fp32 weights); at run
-    time its weight casts get low weights and return them as they are: the same output bit for bit."""
-    torch.manual_seed(0)
-    model = model_class().eval()
-    plain = amp_compiler.convert(copy.deepcopy(model), "O2", inplace=True, dtype=torch.bfloat16, capture="parts")
-    amp_compiler.initialize(model, torch.optim.SGD(model.parameters(), lr=1), opt_level="O2",
-                            cast_model_type=torch.bfloat16, verbosity=0, capture="parts")
-    x = torch.randn(5, 4) if model_class is TinyNet else torch.randn(2, 3, 5, 5)
-    assert torch.equal(model(x), plain(x))
-    assert [gm.code for gm in graphs_of(model)] == [gm.code for gm in graphs_of(plain)]
-    weight_casts = [node for gm in graphs_of(model) for node in gm.graph.nodes
-                    if is_cast(node) and node.args[0].op == "get_attr"]
-    assert weight_casts
-    for node in weight_casts:
-        weight = graphs_of(model)[0].get_parameter(node.args[0].target)
-        assert weight.dtype == node.args[1] and amp_cast(weight, node.args[1]) is weight
-
-
 # -- skipped steps ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("capture", ["parts", "dynamo"])
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_inf_in_a_gradient_skips_the_step_and_halves_the_scale(level, capture):
+def test_inf_in_a_gradient_skips_the_step_and_halves_the_scale(level):
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    amp_compiler.initialize(model, optimizer, opt_level=level, verbosity=0, capture=capture)   # fp16, from 2**16
+    amp_compiler.initialize(model, optimizer, opt_level=level, verbosity=0)   # fp16, from 2**16
     x = torch.randn(4, 3)
 
     def step(inject):
@@ -566,7 +538,7 @@ def test_mistakes_are_named():
     fresh = nn.Linear(2, 2)
     with pytest.raises(RuntimeError, match="once"):
         amp_compiler.initialize(fresh, optimizer, opt_level="O1", verbosity=0)
-    assert "_amp_in_place" not in fresh.__dict__, "a refused initialize changes nothing"
+    assert "_amp_compiled" not in fresh.__dict__, "a refused initialize changes nothing"
     with pytest.raises(ValueError, match="loss_id"):
         with amp_compiler.scale_loss(model(torch.ones(2)).sum(), optimizer, loss_id=1):
             pass
@@ -580,10 +552,9 @@ def test_mistakes_are_named():
 
 @pytest.mark.slow
 @pytest.mark.real_models
-@pytest.mark.parametrize("capture", ["parts", "dynamo"])
-def test_tiny_llama_trains_at_o2_like_fp32(capture):
-    """A Hugging Face decoder at O2 bf16, trained with labels: one graph (torch.export) on bf16 weights; the
-    loss follows the fp32 run's."""
+def test_tiny_llama_trains_at_o2_like_fp32():
+    """A Hugging Face decoder at O2 bf16, trained with labels: one graph on the bf16 weights; the loss follows
+    the fp32 run's."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -592,8 +563,7 @@ def test_tiny_llama_trains_at_o2_like_fp32(capture):
     reference = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    amp_compiler.initialize(model, optimizer, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0,
-                            capture=capture)
+    amp_compiler.initialize(model, optimizer, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0)
     assert model.lm_head.weight.dtype == torch.bfloat16
     ids = torch.randint(0, 64, (2, 8))
     for _ in range(3):
@@ -607,11 +577,7 @@ def test_tiny_llama_trains_at_o2_like_fp32(capture):
         expected.backward()
         reference_optimizer.step()
         assert loss.item() == pytest.approx(expected.item(), rel=5e-3)
-    if capture == "parts":
-        graphs = [path for path, part in model._amp_in_place.parts.items() if part.graphs]
-        assert graphs == [""]   # a call with labels is captured whole (torch.export), on the bf16 weights
-    else:   # dynamo: a call with labels is one graph, on the bf16 weights
-        assert len(amp_compiler.dynamo.graphs(model)) == 1
+    assert len(amp_compiler.dynamo.graphs(model)) == 1   # a call with labels is one graph
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])

@@ -5,7 +5,7 @@ matmuls qualify; every K and N a multiple of 16).
 
 Each integration trains a few steps, its loss goes down and ends near the fp32 run's, and its graphs hold fp8
 matmuls (fp8_scaled_linear nodes, explain()'s "fp8 (" rules), not just bf16 ones. At "delayed" the amax
-histories are in the user's model's state_dict (in_place/fp8_histories.py), survive each framework's checkpoint
+histories are in the user's model's state_dict (dynamo/fp8_histories.py), survive each framework's checkpoint
 (a resumed run ends bit for bit where the uninterrupted one does) and are not written by validation/eval loops.
 """
 from __future__ import annotations
@@ -22,8 +22,7 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler.dynamo.compile import compiled_graphs
-from amp_compiler.in_place import in_place_conversion
-from amp_compiler.in_place.fp8_histories import STATE_NAME
+from amp_compiler.dynamo.fp8_histories import STATE_NAME
 from amp_testing import one_torch_thread
 
 SCALINGS = ("current", "delayed")
@@ -35,8 +34,8 @@ def fp8_options(scaling: str, capture: str | None = None) -> dict:
             **({"capture": capture} if capture else {})}
 
 
-# both recipes on both captures
-SCALINGS_AND_CAPTURES = [("current", "parts"), ("delayed", "parts"), ("current", "dynamo"), ("delayed", "dynamo")]
+# both recipes (in place: on TorchDynamo's capture, named explicitly or by default)
+SCALINGS_AND_CAPTURES = [("current", "dynamo"), ("delayed", "dynamo")]
 WIDTH, CLASSES, BATCH = 32, 16, 8
 
 
@@ -97,9 +96,8 @@ def fp32_losses(data: list[dict]) -> list[float]:
 
 
 def converted_graphs(model: nn.Module) -> list:
-    """The graphs the in-place conversion captured so far (the newest graph per part, or every graph dynamo made)."""
-    conversion = in_place_conversion(model)
-    return conversion.graph_modules() if conversion is not None else [gm for _, gm, _ in compiled_graphs(model)]
+    """The graphs the in-place conversion made so far (every graph dynamo made, compiled children's too)."""
+    return [gm for _, gm, _ in compiled_graphs(model)]
 
 
 def fp8_matmuls(model: nn.Module) -> int:
@@ -351,11 +349,9 @@ def test_generate_at_fp8_keeps_the_model_and_its_logits_are_within_fp8s_error(bu
     scale = max(step.abs().max().item() for step in expected.logits)
     error = max((a - b).abs().max().item() for a, b in zip(ours.logits, expected.logits, strict=True))
     assert 0 < error <= 0.1 * scale, f"max logit error {error:.3g} vs logit scale {scale:.3g}"
-    if capture == "parts":
-        assert fp8_matmuls(model) == lowered   # q/k/v/o (GPT-2: c_attn/c_proj), the MLPs, lm_head: all fp8
-    else:   # dynamo: the prefill graph and each decode graph run all of them fp8
-        graph_counts = [fp8_matmuls_in(gm) for _, gm, _ in compiled_graphs(model)]
-        assert len(graph_counts) >= 2 and set(graph_counts) == {lowered}, graph_counts
+    # the prefill graph and each decode graph run all of them fp8: q/k/v/o (GPT-2: c_attn/c_proj), MLPs, lm_head
+    graph_counts = [fp8_matmuls_in(gm) for _, gm, _ in compiled_graphs(model)]
+    assert len(graph_counts) >= 2 and set(graph_counts) == {lowered}, graph_counts
     if scaling == "delayed":   # eval: generate records nothing
         assert histories(model) and not any(v.any() for v in histories(model).values())
 
@@ -384,7 +380,7 @@ from amp_compiler.lightning import FP8_HISTORIES, AmpPrecision  # noqa: E402 - a
 
 
 class LitMlp(pl.LightningModule):
-    """training_step calls self.model (the plugin makes the LightningModule's children parts)."""
+    """training_step calls self.model (the plugin compiles the LightningModule's children)."""
 
     def __init__(self):
         super().__init__()

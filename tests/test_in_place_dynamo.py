@@ -1,5 +1,7 @@
-"""convert(model, level, inplace=True, capture="dynamo"): in-place conversion on TorchDynamo's capture: the cases
-the parts machinery runs as written or gets wrong (tests/test_dynamo_capture.py covers amp_compiler.compile)."""
+"""convert(model, level, inplace=True): in-place conversion on TorchDynamo's capture, with the cases the retired
+parts capture ran as written or got wrong (tests/test_dynamo_capture.py covers amp_compiler.compile)."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -7,7 +9,6 @@ from torch import nn
 import amp_compiler
 from amp_compiler.dynamo import graphs
 from amp_compiler.dynamo.compile import compiled_state
-from amp_compiler.in_place import in_place_conversion
 from amp_compiler.passes.node_facts import facts
 from test_dynamo_capture import CustomGeluMlp, DataDependent, LastLogits, tiny_llama
 
@@ -99,8 +100,10 @@ def test_restore_explain_and_freeze_take_it():
 def test_it_needs_inplace_and_a_known_capture():
     with pytest.raises(ValueError, match="applies to inplace=True"):
         amp_compiler.convert(CustomGeluMlp(), "O1", capture="dynamo")
-    with pytest.raises(ValueError, match="capture must be one of"):
+    with pytest.raises(ValueError, match="capture must be 'dynamo'; got 'fx'"):
         amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, capture="fx")
+    with pytest.raises(ValueError, match="the parts capture was retired"):
+        amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, capture="parts")
     with pytest.raises(ValueError, match="dynamic_shapes does not apply to inplace=True"):
         amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, dynamic_shapes={"x": {0: "batch"}})
 
@@ -109,14 +112,14 @@ def test_in_place_is_on_dynamo_by_default_whatever_the_request():
     model, x = CustomGeluMlp(), torch.randn(3, 16)
     assert amp_compiler.convert(model, "O1", inplace=True, dtype=torch.bfloat16) is model
     model(x)
-    assert compiled_state(model) is not None and in_place_conversion(model) is None
+    assert compiled_state(model) is not None
     assert "front end torch.dynamo" in str(amp_compiler.explain(model))
     # what took the parts before: calibration (test_dynamo_calibration), fp8 delayed histories (test_fp8_integrations)
     calibrated = amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, calibration_data=[(x,)])
     delayed = amp_compiler.convert(CustomGeluMlp(), "fp8", inplace=True, fp8_scaling="delayed", fp8_min_dim=16)
     delayed(x)
     for converted in (calibrated, delayed):
-        assert compiled_state(converted) is not None and in_place_conversion(converted) is None
+        assert compiled_state(converted) is not None and graphs(converted)
 
 
 def test_a_deepcopy_and_a_torch_save_of_a_converted_model_run_their_own_weights():
@@ -328,7 +331,7 @@ def test_lora_adapters_added_after_converting_run_low_and_train():
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
 
 
-def test_weight_cache_can_be_turned_off_and_parts_refuse_a_compiled_model():
+def test_weight_cache_can_be_turned_off():
     model, x = CustomGeluMlp(), torch.randn(3, 16)
     convert(model, weight_cache=False)
     with torch.no_grad():
@@ -337,9 +340,28 @@ def test_weight_cache_can_be_turned_off_and_parts_refuse_a_compiled_model():
     from amp_compiler.frozen import pack_linears
     with pytest.raises(TypeError, match="compiled with weight_cache=False"):
         pack_linears(model)
-    with pytest.raises(ValueError, match="compiled by amp_compiler"):
-        amp_compiler.convert(model, "O1", inplace=True, capture="parts")   # would leave the compilation behind restore
-    with pytest.raises(ValueError, match="weight_cache is an option of capture='dynamo'"):
-        amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, capture="parts", weight_cache=False)
+    with pytest.raises(ValueError, match="weight_cache applies to inplace=True"):
+        amp_compiler.convert(CustomGeluMlp(), "O1", weight_cache=False)
+    with pytest.raises(ValueError, match="freeze=True keeps low weight copies and weight_cache=False keeps none"):
+        amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, freeze=True, weight_cache=False)
 
 
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_batch_norm_running_statistics_train_as_fp32s_do(level, low):
+    """The graph reads the buffers as placeholders: a mixed norm kernel cast its running statistics low, so the
+    in-place update went to the copies and the model's statistics stayed 0 and 1 (O2 on dynamo, before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)).train()
+    reference = copy.deepcopy(model)
+    amp_compiler.convert(model, level, dtype=low, inplace=True)
+    for step in range(3):
+        x = torch.randn(16, 6, generator=torch.Generator().manual_seed(step)) + 2
+        model(x).float().sum().backward()
+        reference(x).sum().backward()
+    ours, theirs = model[1], reference[1]
+    assert theirs.running_mean.abs().max() > 0.1 and ours.num_batches_tracked == 3
+    torch.testing.assert_close(ours.running_mean, theirs.running_mean, rtol=0.05, atol=0.02)
+    torch.testing.assert_close(ours.running_var, theirs.running_var, rtol=0.05, atol=0.02)

@@ -1,11 +1,11 @@
 """The fast call path of a model converted in place with frozen weights (benchmarks/bench_decode.py).
 
-Its frozen part graphs compare their weights' sampled values once per model call, all graphs together
-(InPlaceConversion.values_checked, amp_compiler.frozen.JoinedValueCheck), not once per graph call. These
-tests check that no cheaper path reads a stale copy: after an optimizer step, load_state_dict (also
-assign=True), an in-place write under no_grad, a write through `.data`, `.data` assigned or a new
-Parameter, the frozen model gives what a model converted afresh from the changed weights gives.
-amp_compiler.frozen.pack_linears(model): the same, its linears reading oneDNN-packed copies (CPU, bf16).
+On TorchDynamo's capture the weight cache (amp_compiler/dynamo/weight_cache.py) keeps each weight's low copy,
+oneDNN-packed for a bf16 CPU linear, and checks the copies at the start of each graph call. These tests check that
+no cheaper path reads a stale copy: after an optimizer step, load_state_dict (also assign=True), an in-place write
+under no_grad, a write through `.data`, `.data` assigned or a new Parameter, the frozen model gives what a model
+converted afresh from the changed weights gives. amp_compiler.frozen.pack_linears(model): nothing to do there (the
+cache packs already), refused with weight_cache=False; on a convert() result it packs the frozen copies.
 """
 from __future__ import annotations
 
@@ -17,16 +17,15 @@ import torch
 from torch import nn
 
 import amp_compiler
-from amp_compiler.frozen import frozen_linear, pack_linears
-from amp_compiler.in_place import in_place_conversion
-from test_freeze import ComparisonCounter   # aten.equal calls: the frozen copies' value checks
+from amp_compiler.dynamo import graphs
+from amp_compiler.frozen import frozen_linear, pack_linears, packed_frozen_linear
+from amp_testing import ProfiledDtypes   # aten::equal events: the frozen copies' value checks
 
 BF16 = torch.bfloat16
 
 
 class State:
-    """An argument no graph can take (like a KV cache): the parts that receive it run as written, so their
-    Linear children are the graphs."""
+    """An object argument the blocks write to (like a KV cache): dynamo replays the write after its graph."""
 
     def __init__(self):
         self.calls = 0
@@ -55,22 +54,30 @@ class Net(nn.Module):
         return self.head(x)
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def frozen_net(seed: int = 0, packed: bool = False):
+    """packed: pack_linears(model), a no-op on dynamo's capture (its weight cache packs bf16 CPU linears already)."""
     torch.manual_seed(seed)
-    model = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True, capture="parts", freeze=True)
+    model = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True, freeze=True)
     return (pack_linears(model) if packed else model), torch.randn(3, 16)
 
 
-def graph_count(model) -> int:
-    return len(in_place_conversion(model).graph_modules())
-
-
 def fresh_output(model, x):
-    """What the model's current weights give converted afresh (no copies kept: cast on this call)."""
+    """What the model's current weights give converted afresh (its copies made from them on this call)."""
     fresh = amp_compiler.convert(copy.deepcopy(amp_compiler.restore(copy.deepcopy(model))), "O1", dtype=BF16,
-                                 inplace=True, capture="parts")
+                                 inplace=True)
     with torch.inference_mode():
         return fresh(x, State())
+
+
+def value_checks(recorder: ProfiledDtypes) -> int:
+    return sum(1 for name, _ in recorder.events if name == "aten::equal")
 
 
 def mutations(model: Net):
@@ -123,55 +130,34 @@ def test_a_frozen_in_place_model_never_reads_a_stale_copy(mutation, packed):
         assert torch.equal(model(x, State()), expected)
 
 
-def test_the_values_are_compared_once_per_model_call_for_all_graphs():
-    model, x = frozen_net()
-    with torch.inference_mode():
-        model(x, State())
-        with ComparisonCounter() as counter:
-            model(x, State())
-            model(x, State())
-    assert graph_count(model) == 5   # up and down of two blocks, head: each a graph with its own copies
-    assert counter.comparisons == 2  # one per model call (was one per graph call: 10)
-
-
-def test_a_part_called_on_its_own_checks_the_values_too():
-    model, x = frozen_net()
-    block = model.blocks[0]
-    with torch.inference_mode():
-        model(x, State())
-        block(x, State())
-    block.up.weight.data.mul_(2.0)   # seen only by the values
-    with torch.inference_mode():
-        out = block(x, State())
-    reference = amp_compiler.convert(copy.deepcopy(amp_compiler.restore(copy.deepcopy(model)).blocks[0]), "O1",
-                                     dtype=BF16, inplace=True, capture="parts")
-    with torch.inference_mode():
-        assert torch.equal(out, reference(x, State()))
-
-
 def test_a_call_that_raises_leaves_the_next_call_checked():
     model, x = frozen_net()
     with torch.inference_mode():
         model(x, State())
         with pytest.raises(RuntimeError):
-            model(torch.randn(3, 5), State())   # wrong width: the as-written block raises inside the call
-    assert not in_place_conversion(model).calling
+            model(torch.randn(3, 5), State())   # wrong width: the call raises
     model.head.weight.data.mul_(-1.0)
     expected = fresh_output(model, x)
     with torch.inference_mode():
         assert torch.equal(model(x, State()), expected)
 
 
-def test_frozen_parts_not_checked_together_check_themselves():
+def test_a_frozen_model_without_value_samples_makes_no_comparison_and_sees_an_optimizer_step():
     """freeze(model, sample_values=False): no comparison at all (identity, version, storage only)."""
     torch.manual_seed(0)
-    model, x = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True, capture="parts"), torch.randn(3, 16)
+    model, x = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True), torch.randn(3, 16)
+    sampled, _ = frozen_net()
+    with torch.inference_mode():
+        sampled(x, State())
+        with ProfiledDtypes() as recorder:
+            sampled(x, State())
+    assert value_checks(recorder) == 1   # sampled values: compared once per call (one graph)
     amp_compiler.freeze(model, sample_values=False)
     with torch.inference_mode():
         model(x, State())
-        with ComparisonCounter() as counter:
+        with ProfiledDtypes() as recorder:
             model(x, State())
-    assert counter.comparisons == 0
+    assert value_checks(recorder) == 0
     mutations(model)["optimizer_step"]()   # seen by the version counters
     expected = fresh_output(model, x)
     with torch.inference_mode():
@@ -207,19 +193,21 @@ ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkld
 
 
 @pytest.mark.skipif(not ONEDNN_BF16, reason="needs oneDNN with bf16 (packed linear weights)")
-def test_packed_linears_give_the_frozen_outputs_bit_for_bit_and_cost_a_second_copy():
+def test_the_weight_cache_packs_the_linears_in_one_copy_and_pack_linears_changes_nothing():
     frozen, x = frozen_net()
     packed, _ = frozen_net(packed=True)
     with torch.inference_mode():
         expected = frozen(x, State())
         assert torch.equal(packed(x, State()), expected)
         assert torch.equal(packed(x, State()), expected)   # the packed copies in use
-    gms = in_place_conversion(packed).graph_modules()
-    assert all(any(n.target is frozen_linear for n in gm.graph.nodes) for gm in gms)
-    assert sum(gm.meta["amp"]["frozen"]["linears_packed"] for gm in gms) == 5
+    for model in (frozen, packed):
+        gms = graphs(model)
+        assert gms and all(any(n.target is packed_frozen_linear for n in gm.graph.nodes) for gm in gms)
+        assert sum(gm.meta["amp"]["frozen"]["linears_packed"] for gm in gms) == 5   # 2 blocks' up and down, head
     biases = sum(m.bias.numel() * 2 for m in packed.modules() if isinstance(m, nn.Linear))
+    # the packed copy is the only copy (the parts' pack_linears kept a second one: 2x the weights' bytes)
     assert amp_compiler.frozen_bytes(frozen) == linear_weight_bytes(frozen) + biases
-    assert amp_compiler.frozen_bytes(packed) == 2 * linear_weight_bytes(packed) + biases
+    assert amp_compiler.frozen_bytes(packed) == linear_weight_bytes(packed) + biases
 
 
 def test_packed_linears_compute_as_written_while_training_and_with_fp32_inputs():
@@ -228,7 +216,7 @@ def test_packed_linears_compute_as_written_while_training_and_with_fp32_inputs()
         packed(x, State())
     packed.train()
     reference = amp_compiler.convert(copy.deepcopy(amp_compiler.restore(copy.deepcopy(packed))), "O1", dtype=BF16,
-                                     inplace=True, capture="parts")
+                                     inplace=True)
     out = packed(x, State())
     assert out.requires_grad and torch.equal(out, reference(x, State()))
     weight = packed.head.weight
@@ -236,8 +224,8 @@ def test_packed_linears_compute_as_written_while_training_and_with_fp32_inputs()
 
 
 def test_pack_linears_refuses_a_model_without_frozen_copies():
-    model = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True, capture="parts")
-    with pytest.raises(TypeError, match="freeze"):
+    model = amp_compiler.convert(Net().eval(), "O1", dtype=BF16, inplace=True, weight_cache=False)
+    with pytest.raises(TypeError, match="weight_cache=False"):
         pack_linears(model)
     with pytest.raises(TypeError, match="freeze"):
         pack_linears(nn.Linear(2, 2))

@@ -9,7 +9,7 @@ from torch import nn
 
 from amp_compiler import convert, export_onnx
 from amp_compiler.config import keep_in_fp32_modules
-from amp_compiler.in_place import in_place_conversion
+from amp_compiler.dynamo import graphs as dynamo_graphs
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.policy.rules import names_module
 from onnx_testing import F16, F32, value_types
@@ -75,10 +75,8 @@ def test_fragments_match_whole_dotted_components():
 
 def test_in_place_conversion_keeps_the_listed_modules_fp32():
     model = KeepsWo().eval()
-    convert(model, "O2", inplace=True, capture="parts", example_inputs=(torch.randn(2, WIDTH),), dtype=torch.float16)
-    graphs = [graph.gm for part in in_place_conversion(model).parts.values() for call in part.graphs.values()
-              for graph in call]
-    linears = {path.rsplit("inner.", 1)[-1]: amp["precision"] for gm in graphs for path, amp in _linears(gm).items()}
+    convert(model, "O2", inplace=True, example_inputs=(torch.randn(2, WIDTH),), dtype=torch.float16)
+    linears = {path: amp["precision"] for gm in dynamo_graphs(model) for path, amp in _linears(gm).items()}
     assert linears == {"ff.wi": "low", "ff.wo": "fp32", "head": "fp32", "wordy": "low"}, linears
 
 

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 import amp_compiler
 from amp_compiler.lightning import AmpFabricPrecision, AmpPrecision
-from amp_testing import AtenDtypeRecorder, ProfiledDtypes
+from amp_testing import ProfiledDtypes
 
 STEPS = 3
 TRAINER_SETTINGS = dict(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
@@ -48,7 +48,7 @@ class Classifier(pl.LightningModule):
         torch.manual_seed(0)
         self.model = TinyAttention()
         self.inf_at_step, self.inf_on_rank, self.injected = inf_at_step, inf_on_rank, injected
-        self.recorder: AtenDtypeRecorder | None = None
+        self.recorder: ProfiledDtypes | None = None
         self.losses, self.params_changed, self.scales = [], [], []
 
     def training_step(self, batch, batch_idx):
@@ -110,13 +110,13 @@ def amp_log():
 
 
 # -- Trainer ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("capture", ["parts", "dynamo"])
+@pytest.mark.parametrize("capture", ["dynamo"])
 def test_bf16_plugin_trains_like_bf16_mixed_with_matmuls_low_and_norms_fp32(amp_log, capture):
     reference = Classifier()
     fit(reference, precision="bf16-mixed")
     converted = Classifier()
-    # a dispatch mode makes dynamo run the frame as written: the profiler observes dynamo's graphs
-    converted.recorder = AtenDtypeRecorder() if capture == "parts" else ProfiledDtypes()
+    # a dispatch mode (AtenDtypeRecorder) makes dynamo run the frame as written: the profiler observes dynamo's graphs
+    converted.recorder = ProfiledDtypes()
     trainer = fit(converted, plugins=[AmpPrecision("O1", dtype=torch.bfloat16, capture=capture)])
 
     assert trainer.precision == "bf16-mixed" and trainer.precision_plugin.scaler is None
@@ -128,13 +128,11 @@ def test_bf16_plugin_trains_like_bf16_mixed_with_matmuls_low_and_norms_fp32(amp_
     assert recorder.input_dtypes(*MATMULS) == {torch.bfloat16}
     for op in FP32_OPS:
         assert recorder.input_dtypes(op) == {torch.float32}, (op, dict(recorder.calls))
-    # the child called by training_step is a part with a graph; the summary is logged once, after step 1
+    # the child called by training_step is compiled: its graph, its rows under the LightningModule's paths;
+    # the summary is logged once, after step 1
     report = amp_compiler.explain(converted)
-    if capture == "parts":
-        assert "model" in str(report).split("graphs", 1)[1].splitlines()[0]
-    else:   # the child's graph, its rows under the LightningModule's paths
-        assert "torch.dynamo: 1 graph(s)" in str(report)
-        assert {row["module"].split(".")[0] for row in report.rows if row["module"]} == {"model"}
+    assert "torch.dynamo: 1 graph(s)" in str(report)
+    assert {row["module"].split(".")[0] for row in report.rows if row["module"]} == {"model"}
     summaries = [r.getMessage() for r in amp_log if "amp-compiler report" in r.getMessage()]
     assert len(summaries) == 1 and "bfloat16" in summaries[0]
 
@@ -148,23 +146,20 @@ class CallsItsForward(Classifier):
         return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
 
 
-@pytest.mark.parametrize("capture", ["parts", "dynamo"])
+@pytest.mark.parametrize("capture", ["dynamo"])
 def test_a_training_step_calling_self_runs_the_lightning_modules_own_graph(capture):
     reference, converted = CallsItsForward(), CallsItsForward()
     fit(reference)
     fit(converted, plugins=[AmpPrecision(capture=capture)])
-    if capture == "parts":
-        graphs = str(amp_compiler.explain(converted)).split("graphs", 1)[1].splitlines()[0]
-        assert "(top level)" in graphs and "model" not in graphs   # the child ran inside the root's graph
-    else:   # dynamo compiles the children: the forward's call of self.model is the child's graph
-        report = amp_compiler.explain(converted)
-        assert "torch.dynamo: 1 graph(s)" in str(report)
-        assert {row["module"].split(".")[0] for row in report.rows if row["module"]} == {"model"}
+    # dynamo compiles the children: the forward's call of self.model is the child's graph
+    report = amp_compiler.explain(converted)
+    assert "torch.dynamo: 1 graph(s)" in str(report)
+    assert {row["module"].split(".")[0] for row in report.rows if row["module"]} == {"model"}
     for ours, theirs in zip(converted.parameters(), reference.parameters()):
         assert not torch.equal(ours, theirs) and torch.allclose(ours, theirs, atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("capture", ["parts", "dynamo"])
+@pytest.mark.parametrize("capture", ["dynamo"])
 def test_fp16_overflow_skips_that_step_backs_the_scale_off_and_says_where(amp_log, capture):
     # 1e6 is finite in fp32 and past fp16's 65504: the graph's cast of the input to fp16 overflows
     module = Classifier(inf_at_step=1, injected=1e6)
@@ -178,10 +173,10 @@ def test_fp16_overflow_skips_that_step_backs_the_scale_off_and_says_where(amp_lo
     assert len(skipped) == 1 and "1 skipped so far" in skipped[0] and "1024" in skipped[0]
     report = plugin.scaler.last_overflow_report
     assert report is not None and report.forward["node"] is not None
-    if capture == "parts":
-        assert report.forward["part"] == "model"
-    else:   # the overflowing node is the cast of fc1's input: a cast goes with its reader's module
-        assert report.forward["module"] == "model.fc1" and report.forward["op"] == "cast"
+    # the overflowing node is the cast of fc1's input (a cast goes with its reader's module), in the graph of the
+    # compiled child 'model'
+    assert report.forward["part"] == "model"
+    assert report.forward["module"] == "model.fc1" and report.forward["op"] == "cast"
     assert report.forward["dtype"] == "float16" and str(report) in skipped[0]
     assert plugin.amp.skipped_steps == 1
 

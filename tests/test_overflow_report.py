@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 import amp_compiler
-from amp_compiler.in_place import in_place_conversion
+from amp_compiler.dynamo import graphs as dynamo_graphs
+from amp_compiler.dynamo.compile import compile_children, compiled_state
 from amp_compiler.insight.graph_decisions import module_of
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.train import overflow_report
 from amp_compiler.train.grad_scaler import GradScaler
 from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager
-from amp_compiler.dynamo import graphs as dynamo_graphs
 from amp_compiler.train.overflow_report import OverflowReport, locate_overflow
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -60,14 +60,16 @@ class InfGradient(torch.autograd.Function):
 
 
 class Amplify(nn.Module):
-    """fp16 code the conversion never sees: parameterless, run as written inside an as-written part."""
+    """fp16 code the conversion never sees when it runs as written: parameterless, so compile_children leaves it
+    uncompiled."""
 
     def forward(self, x):
         return (x.half() * 1e5).float()
 
 
 class Branchy(nn.Module):
-    """fx cannot capture the root (data-dependent branch): it runs as written, pre/post become parts."""
+    """A data-dependent branch: compiled at its root, dynamo breaks the graph there (pre's graph, then one of the
+    rest); with compile_children the root runs as written, pre and post compiled, amplify as written."""
 
     def __init__(self, plant=None):
         super().__init__()
@@ -103,6 +105,15 @@ def replay_of(model, x, scale=1.0):
     return lambda: (model(x).sum() * scale).backward()
 
 
+def on_dynamo(model, **options):
+    return amp_compiler.convert(model, "O1", dtype=torch.float16, inplace=True, capture="dynamo", **options)
+
+
+def children_compiled(model):
+    """What Lightning's plugin does with a LightningModule: each child with parameters compiled, the root as written."""
+    return compile_children(model, "O1", dtype=torch.float16, backend="eager")
+
+
 def the_node(gm, module, op):
     """The single node of `gm` with this op whose module (module_of) is `module`: the expected answer."""
     found = [n.name for n in gm.graph.nodes if module_of(n) == module and facts(n).get("op") == op]
@@ -110,28 +121,31 @@ def the_node(gm, module, op):
     return found[0]
 
 
-def graph_of(model, part=""):
-    (graphs,) = in_place_conversion(model).parts[part].graphs.values()
-    return graphs[0].gm
+def dynamo_graph(model):
+    (gm,) = dynamo_graphs(model)
+    return gm
 
 
 def snapshot(model):
-    """Everything the replay must leave as it was: .grad values, buffers, graphs' forwards."""
+    """Everything the replay must leave as it was: .grad values, the graphs (none made by the replay) and their
+    forwards, the compiled forwards."""
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-    forwards = [("forward" in gm.__dict__, gm.__dict__.get("forward")) for gm in _graph_modules(model)]
-    return grads, forwards
+    graphs = _graph_modules(model)
+    forwards = [(id(gm), "forward" in gm.__dict__, gm.__dict__.get("forward")) for gm in graphs]
+    compiled = [(path, compiled_state(m), m.__dict__.get("forward")) for path, m in model.named_modules()]
+    return grads, forwards, compiled
 
 
 def _graph_modules(model):
-    conversion = in_place_conversion(model)
-    if conversion is not None:
-        return conversion.graph_modules()
-    return [m for m in model.modules() if isinstance(m, torch.fx.GraphModule)]
+    """dynamo's graphs of every compiled module in the model, and the GraphModules in its tree."""
+    return [gm for m in model.modules() for gm in dynamo_graphs(m)] + \
+        [m for m in model.modules() if isinstance(m, torch.fx.GraphModule)]
 
 
 def assert_unchanged(model, before):
-    grads, forwards = snapshot(model)
+    grads, forwards, compiled = snapshot(model)
     assert forwards == before[1]
+    assert compiled == before[2]
     assert grads.keys() == before[0].keys()
     for name, grad in grads.items():
         old = before[0][name]
@@ -149,13 +163,13 @@ def test_forward_overflow_names_the_linear_node_and_its_module_path():
         up = reference.layers[1].up(h)
     assert torch.isfinite(reference(x)).all() and up.abs().max() > FP16_MAX
 
-    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True, capture="parts")
+    model = on_dynamo(planted_mlp())
     replay_of(model, x)()    # the step that overflowed: .grad now holds its (non-finite) gradients
     before = snapshot(model)
     report = locate_overflow(model, replay_of(model, x))
 
-    gm = graph_of(model)
-    assert report.forward == {"part": "", "module": "layers.1.up", "node": the_node(gm, "inner.layers.1.up", "linear"),
+    gm = dynamo_graph(model)   # the model compiled at its root: dynamo's graph names modules from it
+    assert report.forward == {"part": "", "module": "layers.1.up", "node": the_node(gm, "layers.1.up", "linear"),
                               "op": "linear", "found": "node output", "value": "inf", "dtype": "float16"}
     # the inf reaches layers.1.down's weight gradient (relu of inf times the incoming gradient) and head's
     expected = [n for n, p in before[0].items() if p is not None and not torch.isfinite(p).all()]
@@ -171,26 +185,25 @@ def test_replay_leaves_grads_buffers_and_graphs_as_they_were():
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
     with torch.no_grad():
         model[2].weight.fill_(PLANTED * 100)
-    amp_compiler.convert(model, "O1", dtype=torch.float16, inplace=True, capture="parts")
+    on_dynamo(model)
     x = torch.randn(4, 8)
     replay_of(model, x)()
     for p in model.parameters():
         p.grad = torch.full_like(p, 7.0)   # the caller's own gradients, e.g. accumulated micro-batches
     before = snapshot(model)
     stats = [b.clone() for b in model.buffers()]
-    graphs = {id(gm) for gm in _graph_modules(model)}
-    captures = {path: part.captures for path, part in in_place_conversion(model).parts.items()}
+    graphs = dynamo_graphs(model)
     report = locate_overflow(model, replay_of(model, x))
     assert report is not None and report.forward["module"] == "2"
     assert_unchanged(model, before)
+    # the graph counts the batch in place (num_batches_tracked): the replay's count is undone
     assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers()))
-    assert {id(gm) for gm in _graph_modules(model)} == graphs
-    assert {path: part.captures for path, part in in_place_conversion(model).parts.items()} == captures
+    assert dynamo_graphs(model) == graphs   # the same graphs, none made by the replay
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())   # zero cost after
 
 
 def test_a_plain_loop_with_grad_scaler_records_where_its_skipped_step_overflowed():
-    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True, capture="parts")
+    model = on_dynamo(planted_mlp())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = GradScaler("cpu", init_scale=2.0 ** 4)
     x = inputs()
@@ -223,69 +236,75 @@ class Wrapper(nn.Module):
 
 
 def test_a_converted_child_of_the_model_passed_reports_paths_in_the_outer_model():
-    net = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True, capture="parts")
+    net = on_dynamo(planted_mlp())
     model = Wrapper(net)
     x = inputs()
     replay_of(model, x)()
     report = locate_overflow(model, replay_of(model, x))
     assert report.forward == {"part": "net", "module": "net.layers.1.up",
-                              "node": the_node(graph_of(net), "inner.layers.1.up", "linear"), "op": "linear",
+                              "node": the_node(dynamo_graph(net), "layers.1.up", "linear"), "op": "linear",
                               "found": "node output", "value": "inf", "dtype": "float16"}
     assert "net.layers.1.down.weight" in report.parameters and report.precision == "fp16"
 
 
 # --- (2) backward-only overflow -------------------------------------------------------------------------
-def test_backward_only_overflow_from_a_huge_loss_scale_names_the_node_nearest_the_loss():
-    torch.manual_seed(0)
-    model = amp_compiler.convert(MLP(), "O1", dtype=torch.float16, inplace=True, capture="parts")
-    x = torch.randn(2, 8)
-    scale = 1e6   # finite in fp32; the output's gradient passes 65504 when the head's cast sends it to fp16
-    assert torch.isfinite(model(x)).all() and scale > FP16_MAX
-    report = locate_overflow(model, replay_of(model, x, scale))
-    gm = graph_of(model)
-    assert report.forward is None
-    head = the_node(gm, "inner.head", "linear")
-    assert report.backward == {"part": "", "module": "head", "node": head, "op": "linear", "found": "node output",
-                               "value": "inf", "dtype": "float16"}
-    assert "forward value stayed finite" in str(report) and f"node '{head}' (head, linear), inf" in str(report)
-    assert report.parameters   # the scaled gradients are non-finite too
-
-
 def test_custom_function_with_an_inf_gradient_names_the_node_before_it():
-    model = amp_compiler.convert(Branchy("gradient"), "O1", dtype=torch.float16, inplace=True, capture="parts")
+    model = on_dynamo(Branchy("gradient"))
     x = inputs()
     replay_of(model, x)()
     report = locate_overflow(model, replay_of(model, x))
-    last = list(graph_of(model, "pre").graph.nodes)[-1].args[0]   # the value pre's graph returns
+    # the branch breaks the graph: pre's graph returns h to it, the graph of the rest applies the Function (its
+    # own node, whose output's gradient is still finite: post's) and post
+    first, rest = dynamo_graphs(model)
+    assert any(n.target is torch.ops.higher_order.autograd_function_apply for n in rest.graph.nodes)
+    (returned,) = [n for n in first.graph.output_node().args[0] if module_of(n) == "pre"]   # h, not the branch's bool
     assert report.forward is None
-    assert report.backward["part"] == "pre" and report.backward["module"] == "pre"
-    assert report.backward["node"] == last.name and report.backward["value"] == "inf"
+    assert report.backward["part"] == "" and report.backward["module"] == "pre"
+    assert report.backward["node"] == returned.name and report.backward["value"] == "inf"
     assert report.parameters == ["pre.weight", "pre.bias"]   # post's gradients come before the inf
 
 
-# --- (3) a part run as written: module-level findings --------------------------------------------------
+# --- (3) modules run as written: module-level findings -------------------------------------------------
 def test_a_module_run_as_written_is_named_at_module_granularity():
-    model = amp_compiler.convert(Branchy("module"), "O1", dtype=torch.float16, inplace=True, capture="parts")
+    # on dynamo a module runs as written when it is not compiled: here the root (its children compiled one by one,
+    # as Lightning's plugin does) and amplify (no parameters, so not compiled)
+    model = children_compiled(Branchy("module"))
     x = inputs()
     replay_of(model, x)()
-    parts = in_place_conversion(model).parts
-    assert parts[""].as_written and not parts[""].graphs   # the root could not be captured
+    assert compiled_state(model.amplify) is None and dynamo_graphs(model.pre) and dynamo_graphs(model.post)
     with torch.no_grad():   # independently: pre's output is finite, Amplify's is not
         assert torch.isfinite(model.pre(x)).all() and not torch.isfinite(model.amplify(model.pre(x))).all()
     report = locate_overflow(model, replay_of(model, x))
-    assert report.forward == {"part": "", "module": "amplify", "node": None, "op": "Amplify",
+    # "part" None: amplify is in no compiled module (the parts capture named the as-written root part "")
+    assert report.forward == {"part": None, "module": "amplify", "node": None, "op": "Amplify",
                               "found": "module output", "value": "inf", "dtype": "float32"}
     assert "module 'amplify' (Amplify, run as written) became inf" in str(report)
 
 
 def test_the_own_code_of_a_module_run_as_written_is_named_by_the_input_it_passes_on():
-    model = amp_compiler.convert(Branchy("own code"), "O1", dtype=torch.float16, inplace=True, capture="parts")
+    model = children_compiled(Branchy("own code"))
     x = inputs()
     replay_of(model, x)()
     report = locate_overflow(model, replay_of(model, x))
-    assert report.forward["module"] == "" and report.forward["node"] is None
+    assert report.forward["module"] == "" and report.forward["node"] is None and report.forward["part"] is None
     assert report.forward["op"] == "Branchy" and report.forward["found"] == "own code, before calling 'post'"
     assert "module '<model>' (Branchy, own code, before calling 'post') became inf" in str(report)
+
+
+@pytest.mark.parametrize("plant", ["module", "own code"])
+def test_compiled_at_its_root_code_after_a_graph_break_is_named_by_its_node(plant):
+    # compiled at its root nothing runs as written: the code after the branch is the second graph's nodes. The
+    # conversion computes the user's `.half() * 1e5` in fp32, so the inf is the cast into post's fp16 input
+    model = on_dynamo(Branchy(plant))
+    x = inputs()
+    replay_of(model, x)()
+    report = locate_overflow(model, replay_of(model, x))
+    first, rest = dynamo_graphs(model)
+    assert report.forward["part"] == "" and report.forward["node"] in {n.name for n in rest.graph.nodes}
+    assert report.forward["op"] == "cast" and report.forward["value"] == "inf" \
+        and report.forward["dtype"] == "float16"
+    # the cast has amplify's module when amplify's code made its input; the root's own code has none: its reader's
+    assert report.forward["module"] == ("amplify" if plant == "module" else "post")
 
 
 def test_a_plain_module_gets_module_hooks():
@@ -300,22 +319,10 @@ def test_a_plain_module_gets_module_hooks():
     assert report.precision == "mixed-precision"
 
 
-def test_a_non_finite_batch_is_named_as_the_model_input():
-    torch.manual_seed(0)
-    model = amp_compiler.convert(MLP(), "O1", dtype=torch.float16, inplace=True, capture="parts")
-    x = torch.randn(2, 8)
-    x[0, 0] = float("nan")
-    report = locate_overflow(model, replay_of(model, x))
-    assert report.forward == {"part": "", "module": "", "node": None, "op": "MLP", "found": "model input",
-                              "value": "nan", "dtype": "float32"}
-    assert str(report).startswith("fp16 step overflowed: the input of module '<model>' (MLP) was nan already "
-                                  "(model input: check the batch)")
-
-
 # --- (4) a clean step -----------------------------------------------------------------------------------
 def test_a_clean_step_reports_nothing_and_changes_nothing():
     torch.manual_seed(0)
-    model = amp_compiler.convert(MLP(), "O1", dtype=torch.float16, inplace=True, capture="parts")
+    model = on_dynamo(MLP())
     x = torch.randn(2, 8)
     replay_of(model, x)()
     before = snapshot(model)
@@ -368,7 +375,7 @@ def test_an_intended_minus_inf_mask_is_not_the_overflow(monkeypatch):
 
 # --- robustness ---------------------------------------------------------------------------------------
 def test_a_failing_check_reports_what_was_found_and_restores_the_model(monkeypatch):
-    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True, capture="parts")
+    model = on_dynamo(planted_mlp())
     x = inputs()
     replay_of(model, x)()
     before = snapshot(model)
@@ -395,7 +402,7 @@ def _broken(values):
 
 
 def test_a_replay_that_raises_is_reported_not_raised():
-    model = amp_compiler.convert(planted_mlp(), "O1", dtype=torch.float16, inplace=True, capture="parts")
+    model = on_dynamo(planted_mlp())
     x = inputs()
     model(x)
 
@@ -406,7 +413,7 @@ def test_a_replay_that_raises_is_reported_not_raised():
     report = locate_overflow(model, replay)
     assert report.forward["module"] == "layers.1.up"
     assert report.note == "the replay raised ValueError: loader exhausted"
-    assert "forward" not in graph_of(model).__dict__
+    assert "forward" not in dynamo_graph(model).__dict__
 
 
 # --- (6) the scalers ------------------------------------------------------------------------------------
@@ -423,7 +430,7 @@ def test_scalers_keep_the_last_overflow_report(make):
 
 @pytest.mark.slow
 @pytest.mark.real_models
-@pytest.mark.parametrize("capture", ["parts", "dynamo"])
+@pytest.mark.parametrize("capture", ["dynamo"])
 def test_a_tiny_llama_converted_in_place_names_its_mlp_projection(capture):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
@@ -441,25 +448,16 @@ def test_a_tiny_llama_converted_in_place_names_its_mlp_projection(capture):
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight.fill_(5000.0)
     report = locate_overflow(model, replay)
-    # a call with labels is one graph (torch.export's, or dynamo's)
-    (gm,) = [graph_of(model, "")] if capture == "parts" else dynamo_graphs(model)
+    # a call with labels is one graph, of the model compiled at its root (part "")
+    gm = dynamo_graph(model)
     node = report.forward.pop("node")
-    assert report.forward == {"part": "" if capture == "parts" else None, "module": "model.layers.1.mlp.up_proj",
+    assert report.forward == {"part": "", "module": "model.layers.1.mlp.up_proj",
                               "op": "linear", "found": "node output", "value": "inf", "dtype": "float16"}
     assert node in {n.name for n in gm.graph.nodes}
     assert "model.layers.1.mlp.up_proj.weight" in report.parameters
 
 
 # --- on TorchDynamo's capture ---------------------------------------------------------------------------
-def on_dynamo(model, **options):
-    return amp_compiler.convert(model, "O1", dtype=torch.float16, inplace=True, capture="dynamo", **options)
-
-
-def dynamo_graph(model):
-    (gm,) = dynamo_graphs(model)
-    return gm
-
-
 def test_on_dynamo_forward_overflow_names_the_graph_node_and_its_module_path_without_a_recompile():
     model = on_dynamo(planted_mlp())
     x = inputs()
@@ -468,7 +466,7 @@ def test_on_dynamo_forward_overflow_names_the_graph_node_and_its_module_path_wit
     gm = dynamo_graph(model)
     before = {n: p.grad for n, p in model.named_parameters()}
     report = locate_overflow(model, replay_of(model, x))
-    assert report.forward == {"part": None, "module": "layers.1.up", "node": the_node(gm, "layers.1.up", "linear"),
+    assert report.forward == {"part": "", "module": "layers.1.up", "node": the_node(gm, "layers.1.up", "linear"),
                               "op": "linear", "found": "node output", "value": "inf", "dtype": "float16"}
     assert "layers.1.down.weight" in report.parameters and report.precision == "fp16"
     assert dynamo_graphs(model) == [gm]   # the replay compiled nothing more: no hook inside the compiled forward
@@ -484,8 +482,11 @@ def test_on_dynamo_backward_only_overflow_names_the_node_nearest_the_loss():
     report = locate_overflow(model, replay_of(model, x, scale))
     gm = dynamo_graph(model)
     assert report.forward is None
-    assert report.backward["module"] == "head" and report.backward["node"] == the_node(gm, "head", "linear")
-    assert report.parameters
+    head = the_node(gm, "head", "linear")
+    assert report.backward == {"part": "", "module": "head", "node": head, "op": "linear", "found": "node output",
+                               "value": "inf", "dtype": "float16"}
+    assert "forward value stayed finite" in str(report) and f"node '{head}' (head, linear), inf" in str(report)
+    assert report.parameters   # the scaled gradients are non-finite too
 
 
 def test_on_dynamo_a_non_finite_batch_is_named_as_the_model_input():
@@ -493,5 +494,39 @@ def test_on_dynamo_a_non_finite_batch_is_named_as_the_model_input():
     x = torch.full((2, 8), float("nan"))
     model(torch.randn(2, 8))
     report = locate_overflow(model, replay_of(model, x))
-    assert report.forward["module"] == "" and report.forward["found"] == "model input"
+    assert report.forward == {"part": "", "module": "", "node": None, "op": "MLP", "found": "model input",
+                              "value": "nan", "dtype": "float32"}
+    assert str(report).startswith("fp16 step overflowed: the input of module '<model>' (MLP) was nan already "
+                                  "(model input: check the batch)")
+
+
+@pytest.mark.parametrize("first_call", [True, False], ids=["first call", "recompile"])
+def test_on_dynamo_a_graph_made_during_the_replay_is_checked_node_by_node(first_call):
+    model = on_dynamo(planted_mlp())
+    x = inputs()
+    if not first_call:   # a graph for evaluation: dynamo guards on the flags, the replay's training call recompiles
+        with torch.no_grad():
+            model.eval()(x)
+        model.train()
+    graphs_before = len(dynamo_graphs(model))
+    report = locate_overflow(model, replay_of(model, x))
+    assert len(dynamo_graphs(model)) == graphs_before + 1
+    made = dynamo_graphs(model)[-1]   # the graph the replay's call made
+    assert report.forward == {"part": "", "module": "layers.1.up",
+                              "node": the_node(made, "layers.1.up", "linear"), "op": "linear",
+                              "found": "node output", "value": "inf", "dtype": "float16"}
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_on_dynamo_a_weights_cast_is_not_named_as_the_first_non_finite_gradient():
+    model = on_dynamo(planted_mlp())
+    x = inputs()
+    model(x)
+    report = locate_overflow(model, replay_of(model, x))
+    assert report.forward["module"] == "layers.1.up" and "head.weight" in report.parameters
+    if report.backward is not None:   # a node's output, not a weight's cast (dynamo passes weights as placeholders)
+        gm = dynamo_graph(model)
+        weights = {name for name, given in gm.meta["amp"]["graph_inputs"].items() if given.get("kind") == "parameter"}
+        node = next(n for n in gm.graph.nodes if n.name == report.backward["node"])
+        assert not weights & {n.name for n in node.all_input_nodes}, node.format_node()
 

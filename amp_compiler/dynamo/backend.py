@@ -22,7 +22,7 @@ from amp_compiler.convert import collector_paused, compile_graph
 from amp_compiler.dynamo.cache_state import mark_cache_state
 from amp_compiler.dynamo.calibration import GraphCalls, note_frame
 from amp_compiler.dynamo.bodies import call_bodies_directly, convert_bodies
-from amp_compiler.dynamo.graph_inputs import parameter_names, prepare_graph, user_path
+from amp_compiler.dynamo.graph_inputs import frame_prefixes, parameter_names, prepare_graph, user_path
 from amp_compiler.dynamo.weight_cache import cache_weight_casts
 from amp_compiler.frozen import FrozenWeights
 from amp_compiler.frontend import CapturedGraph
@@ -81,7 +81,7 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
         _warn_at_the_recompile_limit(compile_id, model)
         if histories is not None:   # before the cache: cached fp8 weights follow the histories
             _record_in_training_only(converted, model)
-            histories.bind(converted, "")
+            histories.bind(converted)
         if convert_graph.caches_weights:
             cache_weight_casts(converted, convert_graph.weight_cache)
         compiled = converted
@@ -91,6 +91,8 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
         if model is not None:   # listed once nothing can fail: a graph that fell back is no converted graph
             _GRAPHS.setdefault(model, []).append(converted)
         convert_graph.graphs.append(converted)
+        for watcher in list(convert_graph.watchers):   # e.g. an overflow replay checking every graph it runs
+            watcher(converted)
         return compiled
 
     def made_a_graph() -> bool:
@@ -102,6 +104,7 @@ def amp_backend(config: AmpConfig, *, backend: str = "eager", model: nn.Module |
     convert_graph.weight_cache = FrozenWeights().eval()   # the low weight copies all its graphs read
     convert_graph.caches_weights = weight_cache and backend == "eager"
     convert_graph.calibration = calibration
+    convert_graph.watchers = []   # callables told of each graph made, before it first runs
     convert_graph.made_a_graph = made_a_graph
     return convert_graph
 
@@ -111,7 +114,9 @@ def convert_captured_graph(gm: fx.GraphModule, example_inputs, config: AmpConfig
     """FX_PIPELINE on dynamo's graph itself (no re-trace, no copy); the decisions stay in its meta["amp"].
     `calibration_data`: real inputs of this graph (calibration.py), whose ranges decide too."""
     started = time.perf_counter()
-    cache_tensors = mark_cache_state(gm)   # before the passes: keep_io_types leaves these low
+    # before the passes: keep_io_types leaves these low; not an encoder-decoder's: its cross-attention cache is
+    # read as stored by the next step's fp32 code (T5: matmul(fp32 query, bf16 key) failed in dynamo's trace)
+    cache_tensors = 0 if _encoder_decoder(model) else mark_cache_state(gm)
     converted = _convert(gm, parameter_names(gm, example_inputs, model), config, tuple(example_inputs),
                          calibration_data)
     converted.meta["amp"]["cache_tensors_low"] = cache_tensors
@@ -119,12 +124,16 @@ def convert_captured_graph(gm: fx.GraphModule, example_inputs, config: AmpConfig
     return converted
 
 
+def _encoder_decoder(model: nn.Module | None) -> bool:
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
 def _convert(gm: fx.GraphModule, names: dict, config: AmpConfig, example_inputs: tuple | None = None,
              calibration_data: list | None = None):
     """One graph and the bodies it calls (bodies.py), each converted in place. A body's example inputs are its
     placeholders' fake values (dynamo recorded them); bodies are not calibrated (their inputs are the graph's
     values inside it)."""
-    prepare_graph(gm)
+    prepare_graph(gm, frame_prefixes(names))
     converted_bodies = convert_bodies(gm, names, config, lambda body, body_names, body_config: _convert(
         body, body_names, body_config,
         tuple(n.meta.get("val") for n in body.graph.nodes if n.op == "placeholder")))

@@ -62,13 +62,13 @@ class GraphCalls:
         return samples
 
 
-def run_samples(model: nn.Module, calls: GraphCalls, samples: Iterable) -> None:
-    """Each sample through the compiled `model` while `calls` records, then the graphs made converted on them."""
-    from amp_compiler.in_place.conversion import undone_effects   # in_place imports this package
+def run_samples(model: nn.Module, calls: GraphCalls, samples: Iterable, undone) -> None:
+    """Each sample through the compiled `model` while `calls` records, then the graphs made converted on them.
+    `undone`: the context that puts the model's buffers and histories back after (effects.undone_effects)."""
     check_calibration_data(samples)
     calls.recording = True
     try:
-        with undone_effects(model), torch.no_grad():
+        with undone, torch.no_grad():
             for index, sample in enumerate(progress(samples)):
                 inputs = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
                 try:

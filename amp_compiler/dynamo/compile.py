@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import types
 import warnings
 
@@ -18,6 +19,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from amp_compiler.config import make_config, with_model_lists
 from amp_compiler.dynamo.bodies import trace_checkpoint_sequential
 from amp_compiler.dynamo.calibration import GraphCalls, run_samples
+from amp_compiler.dynamo.effects import undone_effects
+from amp_compiler.dynamo.fp8_histories import Fp8HistoryStore
 from amp_compiler.dynamo.backend import RECOMPILE_LIMIT, amp_backend, forget_graphs, graphs, level_autocast
 
 ATTRIBUTE = "_amp_compiled"   # on the user's model: its CompiledForward (also its `forward`)
@@ -42,20 +45,19 @@ def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", d
     if not isinstance(model, nn.Module):
         raise TypeError(f"amp_compiler.compile takes an nn.Module; got {type(model).__name__} "
                         "(for a function, torch.compile(fn, backend=amp_compiler.dynamo.amp_backend(config)))")
-    from amp_compiler.in_place.conversion import in_place_conversion
-    if in_place_conversion(model) is not None:
-        raise ValueError(f"{type(model).__name__} is converted in place (capture='parts'): call "
-                         "amp_compiler.restore(model) before compiling it")
     config = with_model_lists(make_config(level, **overrides), model)   # _keep_in_fp32_modules read once, here
     if ATTRIBUTE in model.__dict__:   # compiled before: this compilation replaces that one
         restore_compiled(model)
     calibration = GraphCalls() if calibration_data is not None else None
-    forward = CompiledForward(model, config, model.__dict__.get("forward"),
-                              {"backend": backend, "dynamic": dynamic, "weight_cache": weight_cache}, calibration)
+    options = {"backend": backend, "dynamic": dynamic, "weight_cache": weight_cache}
+    forward = CompiledForward(model, config, model.__dict__.get("forward"), options, calibration)
     model.__dict__[ATTRIBUTE] = model.__dict__["forward"] = forward
+    forward.nested = _compile_encoder(model, config, options, calibration)
+    if forward.fp8_histories is not None:
+        forward.fp8_histories.not_mine = forward.nested
     if calibration is not None:
         try:
-            run_samples(model, calibration, calibration_data)
+            run_samples(model, calibration, calibration_data, undone_effects(model, history_stores(model)))
         except Exception:
             restore_compiled(model)   # a sample the model fails on: the model as it was
             raise
@@ -71,6 +73,7 @@ class CompiledForward:
     def __init__(self, model: nn.Module, config, own_forward, options: dict, calibration: GraphCalls | None = None):
         self.model, self.config, self.own_forward, self.options = model, config, own_forward, dict(options)
         self.calibration = calibration   # the calibration samples' graph calls (a copy's graphs read them too)
+        self.low_from_the_start = _low_dtypes(model)   # a frozen bf16 base is no later .half()
         trace_checkpoint_sequential()   # its segments recomputed low, not as written (bodies.py)
         self.fp8_histories = _history_store(model, config)   # fp8 delayed: every graph's amax histories, shared
         self.converter = amp_backend(config, backend=options["backend"], model=model,
@@ -80,15 +83,21 @@ class CompiledForward:
         written = own_forward if own_forward is not None else types.MethodType(type(model).forward, model)
         functools.update_wrapper(self, written)   # inspect.signature(model.forward) stays the user's (generate reads it)
 
+    _amp_installed_forward = True   # not the user's forward: a trace of the model (convert()) goes past it
     warned_dispatch_mode = False
+    warned_low_parameters = False
+    weights_cast_low = False          # Apex's O2/O3 made the weights low on purpose (no warning then)
     not_captured: str | None = None   # why dynamo made no graph of the model: it runs under autocast
     undo: tuple = ()   # hook handles removed by restore (an integration's: Apex O2's casts)
+    nested: tuple = ()   # paths of submodules compiled with the model (an encoder-decoder's encoder)
 
     def __call__(self, *args, **kwargs):
         return _run(self, args, kwargs)
 
     def __reduce__(self):   # copy.deepcopy / pickle: rebuilt for the copied model, graphs and caches not shared
-        return CompiledForward, (self.model, self.config, self.own_forward, self.options, self.calibration)
+        return CompiledForward, (self.model, self.config, self.own_forward, self.options, self.calibration), \
+            {"nested": self.nested, "weights_cast_low": self.weights_cast_low,
+             "low_from_the_start": self.low_from_the_start}
 
 
 @torch._dynamo.disable
@@ -107,12 +116,25 @@ def _run(forward: CompiledForward, args: tuple, kwargs: dict):
 def _sharded_submodule(model: nn.Module, made_graphs: bool) -> str | None:
     """A block of `model` FSDP2 shards. Until a graph is made, every module is looked at (0.5 ms on a 32-layer
     Llama); after, only whether the root is sharded too (as FSDP2's recipe does last), so a decode step pays 1 us."""
-    from amp_compiler.in_place.conversion import fsdp_module_type, fsdp_sharded_submodule   # it imports this package
     if made_graphs:
         sharded_type = fsdp_module_type()
         if sharded_type is None or not isinstance(model, sharded_type):
             return None
     return fsdp_sharded_submodule(model)
+
+
+def fsdp_module_type() -> type | None:
+    """FSDP2's FSDPModule (what fully_shard makes a module), or None when torch.distributed.fsdp is not imported:
+    then nothing can be sharded."""
+    return getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+
+
+def fsdp_sharded_submodule(module: nn.Module) -> str | None:
+    """The path of a module below `module` that FSDP2's fully_shard manages, if any."""
+    sharded_type = fsdp_module_type()
+    if sharded_type is None:
+        return None
+    return next((path for path, child in module.named_modules() if path and isinstance(child, sharded_type)), None)
 
 
 def _sharded_call(forward: CompiledForward, sharded: str, args: tuple, kwargs: dict):
@@ -138,7 +160,6 @@ def _sharded_call(forward: CompiledForward, sharded: str, args: tuple, kwargs: d
 def compile_per_block(model: nn.Module, config, options: dict, note: str) -> nn.Module:
     """Each FSDP2-sharded block of `model` and each submodule with parameters and no sharded block below it
     compiled on its own with `config`; the modules that hold sharded blocks run as written (CompiledChildren)."""
-    from amp_compiler.in_place.conversion import fsdp_module_type   # it imports this package
     sharded_type = fsdp_module_type()
     paths = []
 
@@ -146,7 +167,7 @@ def compile_per_block(model: nn.Module, config, options: dict, note: str) -> nn.
         holds_sharded = any(isinstance(m, sharded_type) for name, m in module.named_modules() if name)
         if not holds_sharded:
             if any(True for _ in module.parameters()):
-                _compile_with(module, config, options)
+                _compile_with(module, config, {**options, "per_block": True})
                 paths.append(path)
             return
         for name, child in module.named_children():
@@ -157,11 +178,31 @@ def compile_per_block(model: nn.Module, config, options: dict, note: str) -> nn.
     return model
 
 
-def _compile_with(module: nn.Module, config, options: dict) -> None:
+def _compile_encoder(model: nn.Module, config, options: dict, calibration: GraphCalls | None) -> tuple:
+    """An encoder-decoder's encoder compiled too: generate() calls model.get_encoder() itself, before the model's
+    forward, so the encoder would run as written (fp32). Returns its path, () when the model has none. Only an
+    encoder-decoder's: other transformers models have a get_encoder too (BERT's BertEncoder), which generate does
+    not call on its own, and a compilation of its own would break the model's graph in three."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return ()
+    get_encoder = getattr(model, "get_encoder", None)
+    try:
+        encoder = get_encoder() if callable(get_encoder) else None
+    except Exception:  # noqa: BLE001 - a get_encoder that needs arguments or fails: nothing to add
+        return ()
+    path = next((name for name, module in model.named_modules() if module is encoder and name), None) \
+        if isinstance(encoder, nn.Module) else None
+    if path is None or ATTRIBUTE in encoder.__dict__:
+        return ()
+    _compile_with(encoder, config, options, calibration)   # the model's samples reach it through the model
+    return (path,)
+
+
+def _compile_with(module: nn.Module, config, options: dict, calibration: GraphCalls | None = None) -> None:
     """compile(module) with an existing config (the model's, lists included) and compile()'s own options."""
     if ATTRIBUTE in module.__dict__:
         restore_compiled(module)
-    forward = CompiledForward(module, config, module.__dict__.get("forward"), {**options, "per_block": True})
+    forward = CompiledForward(module, config, module.__dict__.get("forward"), options, calibration)
     module.__dict__[ATTRIBUTE] = module.__dict__["forward"] = forward
 
 
@@ -198,11 +239,39 @@ def _compiled_call(forward: CompiledForward, args: tuple, kwargs: dict):
     saved = {name: getattr(config, name) for name in CAPTURE_SETTINGS}
     for name, value in CAPTURE_SETTINGS.items():
         setattr(config, name, max(value, saved[name]) if name == _LIMIT else value)
+    made = len(forward.converter.graphs)
     try:
         return forward.compiled(forward.model, forward.own_forward, *args, **kwargs)
     finally:
         for name, value in saved.items():
             setattr(config, name, value)
+        if len(forward.converter.graphs) != made:   # a new graph: did the weights become low since converting?
+            _warn_if_made_low(forward)
+
+
+def _low_dtypes(model: nn.Module) -> set:
+    """The model's fp16/bf16 parameter dtypes; none for a model copy.deepcopy is still building (no parameters yet:
+    the copy's state then gives the original's)."""
+    from amp_compiler.frontend.capture import low_parameter_dtypes
+    return set(low_parameter_dtypes(model)) if "_parameters" in model.__dict__ else set()
+
+
+def _warn_if_made_low(forward: CompiledForward) -> None:
+    """model.half() or .to(bfloat16) after converting: dynamo compiles again on the low weights (its guards see
+    their dtype) and the graphs compute on the rounded weights, the fp32 masters gone. Said once, with what
+    convert() says of such a model; checked when a graph is made, so a call pays nothing."""
+    if forward.warned_low_parameters or forward.weights_cast_low:
+        return
+    from amp_compiler.frontend.capture import refuse_low_parameters
+    if not _low_dtypes(forward.model) - forward.low_from_the_start:
+        return
+    try:
+        refuse_low_parameters(forward.model)
+    except ValueError as refusal:
+        forward.warned_low_parameters = True
+        warnings.warn(f"amp_compiler: {refusal} Its parameters became low after convert(..., inplace=True) "
+                      "(model.half() or model.to(dtype)): the graphs made since compute on the rounded weights, "
+                      "norms and softmax included, and the fp32 masters are gone.", UserWarning, stacklevel=5)
 
 
 # dynamo settings for this model's frames only, set around its calls (10 us): where dynamo's defaults skip code, it
@@ -247,13 +316,19 @@ def compile_children(module: nn.Module, level: str = "O1", **options) -> nn.Modu
     """amp_compiler.compile on each direct child that holds parameters, the module itself left as written: for a
     module whose own forward is not what runs (a LightningModule's training_step calls its children). restore,
     explain and frozen_bytes take the module. Options are compile()'s."""
+    if "calibration_data" in options:
+        raise ValueError("calibration_data: the samples are the module's inputs, but its children are compiled one "
+                         "by one and it has no compiled forward to run them through; convert the child its "
+                         "training_step calls first (convert(module.model, level, inplace=True, calibration_data="
+                         "its samples)), which this keeps")
     if compiled_state(module) is not None:
         restore_compiled(module)
     config = with_model_lists(make_config(level, **{k: v for k, v in options.items()
                                                     if k not in ("backend", "dynamic", "weight_cache")}), module)
     names = [name for name, child in module.named_children() if any(True for _ in child.parameters())]
     for name in names:
-        compile(getattr(module, name), level, **options)
+        if compiled_state(getattr(module, name)) is None:   # a child converted already keeps its conversion
+            compile(getattr(module, name), level, **options)
     module.__dict__[ATTRIBUTE] = CompiledChildren(config, names)
     return module
 
@@ -269,8 +344,10 @@ def compiled_graphs(model: nn.Module) -> list[tuple[str, object, object]]:
     if isinstance(state, CompiledChildren):
         return [(name if not path else f"{name}.{path}", gm, forward) for name in state.children
                 for path, gm, forward in compiled_graphs(model.get_submodule(name))]
-    if isinstance(state, CompiledForward):
-        return [("", gm, state) for gm in graphs(model)]
+    if isinstance(state, CompiledForward):   # and a submodule compiled with it (its encoder), under its path
+        return [("", gm, state) for gm in graphs(model)] + [
+            (f"{path}.{inner}" if inner else path, gm, forward) for path in state.nested
+            for inner, gm, forward in compiled_graphs(model.get_submodule(path))]
     return []
 
 
@@ -290,18 +367,37 @@ def restore_compiled(model: nn.Module) -> nn.Module:
         state.fp8_histories.remove_hooks()
     for handle in state.undo:   # hooks an integration added for this capture (Apex O2's input and output casts)
         handle.remove()
+    for path in state.nested:
+        nested = model.get_submodule(path)
+        if compiled_state(nested) is not None:
+            restore_compiled(nested)
     if state.own_forward is not None:
         model.__dict__["forward"] = state.own_forward
     return model
 
 
+def history_stores(model: nn.Module) -> list[tuple[str, Fp8HistoryStore]]:
+    """(the state_dict prefix of its keys, the amax histories) of a model converted in place at
+    fp8_scaling="delayed": the model's own, or each compiled child's (compile_children, compile_per_block);
+    [] for any other model."""
+    if not isinstance(model, nn.Module):
+        return []
+    state = compiled_state(model)
+    if isinstance(state, CompiledChildren):
+        return [(f"{path}.{prefix}", store) for path in state.children
+                for prefix, store in history_stores(model.get_submodule(path))]
+    store = getattr(state, "fp8_histories", None)
+    nested = [(f"{path}.{prefix}", inner) for path in getattr(state, "nested", ())   # its encoder's
+              for prefix, inner in history_stores(model.get_submodule(path))]
+    return ([("", store)] if store is not None else []) + nested
+
+
 def _history_store(model: nn.Module, config):
     """fp8_scaling="delayed": the amax histories of every graph, by the matmul's module path, in the model's
-    state_dict (in_place/fp8_histories.py); None otherwise."""
+    state_dict (fp8_histories.py); None otherwise."""
     if config.fp8 is None or config.fp8.scaling != "delayed":
         return None
-    from amp_compiler.in_place.fp8_histories import DYNAMO, Fp8HistoryStore   # in_place imports this package
-    return Fp8HistoryStore(model, config.fp8.history, graphs=DYNAMO)
+    return Fp8HistoryStore(model, config.fp8.history)
 
 
 def _forward_call(module: nn.Module, own_forward, *args, **kwargs):

@@ -57,16 +57,47 @@ def parameter_names(gm: fx.GraphModule, example_inputs, model: nn.Module | None 
     return names
 
 
-def prepare_graph(gm: fx.GraphModule) -> None:
-    """Module paths in the user's terms, dynamo's fake values as meta["val"] (what the pipeline reads), and no
-    call of torch's usage logger (dynamo records `torch._C._log_api_usage_once`: a no-op explain would call unknown)."""
+def frame_prefixes(names: dict) -> dict[str, str]:
+    """{a frame root as placeholders spell it ("l_self", "l_stack0"): that module's path in the user's model}, read
+    off the parameters parameter_names found: a graph of a child's own frame (a graph break inside it) or of a
+    resumed frame holding a submodule (L['stack0']) names modules from that frame, not from the model."""
+    prefixes: dict[str, str] = {}
+    for placeholder, info in names.items():
+        local = name_from_placeholder(placeholder)
+        full = info["name"]
+        if local and (full == local or full.endswith(f".{local}")):
+            root = _SEGMENT.split(placeholder.rstrip("_"))[0]
+            prefixes.setdefault(root, full[:len(full) - len(local)].rstrip("."))
+    return prefixes
+
+
+def _frame_root(dynamo_path: str) -> str:
+    """"L['___stack0'].lin" -> "l_stack0", "L['args'][0]" -> "l_args_0": the root as placeholder names spell it."""
+    match = _ROOT.match(dynamo_path)
+    if match is None:
+        return ""
+    names = re.findall(r"\[['\"]?([^'\"\]]+)['\"]?\]", match.group(0))   # dynamo's ___stack0 is l_stack0_
+    return "_".join(["l", *(name.strip("_") for name in names)])
+
+
+def _in_model(dynamo_path: str, prefixes: dict[str, str]) -> str:
+    path = user_path(dynamo_path)
+    prefix = prefixes.get(_frame_root(dynamo_path), "")
+    return ".".join(p for p in (prefix, path) if p)
+
+
+def prepare_graph(gm: fx.GraphModule, prefixes: dict[str, str] | None = None) -> None:
+    """Module paths in the user's terms (`prefixes`: frame_prefixes), dynamo's fake values as meta["val"] (what the
+    pipeline reads), and no call of torch's usage logger (dynamo records `torch._C._log_api_usage_once`: a no-op
+    explain would call unknown)."""
+    prefixes = prefixes or {}
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch._C._log_api_usage_once and not node.users:
             gm.graph.erase_node(node)
             continue
         stack = node.meta.get("nn_module_stack")
         if stack:
-            node.meta["nn_module_stack"] = {key: (user_path(path), kind) for key, (path, kind) in stack.items()}
+            node.meta["nn_module_stack"] = {key: (_in_model(path, prefixes), kind) for key, (path, kind) in stack.items()}
         if "val" not in node.meta and "example_value" in node.meta:
             node.meta["val"] = node.meta["example_value"]   # a node without one: infer_dtypes' rules decide its dtype
 

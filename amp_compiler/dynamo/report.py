@@ -37,8 +37,8 @@ def explain_compiled(model, state) -> PrecisionReport:
     fallbacks = [reason for forward in _forwards(model, state) for reason in forward.converter.fallbacks]
     notes += [f"fallback: {reason}" for reason in dict.fromkeys(fallbacks)]
     notes += [f"fallback: {forward.not_captured}" for forward in _forwards(model, state) if forward.not_captured]
-    notes += [f"calibration: {why}" for forward in _forwards(model, state) if forward.calibration is not None
-              for why in forward.calibration.uncalibrated]
+    notes += list(dict.fromkeys(f"calibration: {why}" for forward in _forwards(model, state)   # shared calls
+                                if forward.calibration is not None for why in forward.calibration.uncalibrated))
     recompiles = sum(1 for gm in made if not _compile_id(gm).endswith("/0"))
     breaks = sum(1 for gm in made if gm.meta["amp"].get("dynamo", {}).get("graph_break"))
     summary = {"level": config.level, "requested_level": config.requested_level, "dtype": config.low_dtype_name,
@@ -73,8 +73,8 @@ def _compile_id(gm) -> str:
 
 def _forwards(model, state) -> list:
     """The CompiledForward(s) of a compiled model, or of its compiled children."""
-    if isinstance(state, CompiledForward):
-        return [state]
+    if isinstance(state, CompiledForward):   # and those compiled with it (an encoder-decoder's encoder)
+        return [state, *(compiled_state(model.get_submodule(path)) for path in state.nested)]
     children = [compiled_state(model.get_submodule(name)) for name in state.children]
     return [child for child in children if isinstance(child, CompiledForward)]
 
@@ -142,8 +142,9 @@ def compare_compiled(reference: nn.Module, model: nn.Module, inputs: tuple, rtol
         with running_as_written(model if reference is model else None):
             reference_out = cmp._run_model(reference, inputs)
         low = forwards[0].config.low_dtype_name if forwards else "float16"
+        ran = list(dict.fromkeys(gm for gm, _ in calls))   # the graphs this call ran, judged as one model
         rtol, rtol_from = (rtol, "") if rtol is not None else \
-            cmp.default_rtol(*made) if made else (cmp.DEFAULT_RTOL.get(low, 1e-2), f"{low} default")
+            cmp.default_rtol(*ran) if ran else (cmp.DEFAULT_RTOL.get(low, 1e-2), f"{low} default")
         per_call = [_graph_errors(made.index(gm) + 1, gm, args, low, rtol) for gm, args in calls]
     outputs = [cmp._node_error(None, c, r, low, rtol, name=f"output[{i}]")
                for i, (c, r) in enumerate(zip(cmp._leaves(candidate_out), cmp._leaves(reference_out)))]

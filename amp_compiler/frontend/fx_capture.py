@@ -37,7 +37,7 @@ def is_leaf_module(module: nn.Module) -> bool:
     if not isinstance(module, LEAF_MODULE_TYPES):
         return False
     own = module.__dict__.get("forward")
-    if own is not None and not getattr(own, "_amp_part_forward", False):   # `linear.forward = f`: traced into
+    if own is not None and not getattr(own, "_amp_installed_forward", False):   # `linear.forward = f`: traced into
         return False
     # torch.nn's own forward, not an override: the rules know what the leaf computes.
     owner = next(cls for cls in type(module).__mro__ if "forward" in cls.__dict__)

@@ -34,7 +34,8 @@ def share_module_tree(module: nn.Module) -> nn.Module:
     # copied so nothing done to the clone, tracing included, reaches the user's module; the tensors inside
     # are shared.
     clone.__dict__.update({name: _container_copy(value) for name, value in module.__dict__.items()
-                           if not getattr(value, "_amp_part_forward", False)})   # in-place conversion's forward
+                           if not getattr(value, "_amp_installed_forward", False)   # an in-place conversion's forward
+                           and name != "_amp_compiled"})                             # and its record
     clone._modules = {name: share_module_tree(child) if child is not None else None
                       for name, child in module._modules.items()}
     return clone

@@ -27,7 +27,6 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.frozen import packed_frozen_linear
-from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.insight.graph_decisions import graph_summary, is_cast, module_of
 from amp_compiler.passes.fx import fp8_runtime as fp8
 from amp_compiler.passes.fx.freeze_weight_casts import amp_frozen_fp8_weight
@@ -142,11 +141,8 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None 
     """Run `model` in fp32 and `gm` (its conversion) on `inputs`; the error of every node, worst first,
     the first node past `rtol` (relative to the node's value scale; default 1e-2 fp16, 5e-2 bf16, FP8_RTOL
     when the graph runs float8 matmuls: default_rtol) and the chain of nodes that leads to it."""
-    if in_place_conversion(gm) is not None:   # convert(model, inplace=True): each part graph's nodes
-        from amp_compiler.in_place.report import compare_in_place
-        return compare_in_place(model, gm, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), rtol)
     from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
-    if compiled_state(gm) is not None:   # on dynamo's capture: each graph a call runs
+    if compiled_state(gm) is not None:   # in place: each graph a call runs
         from amp_compiler.dynamo.report import compare_compiled
         return compare_compiled(model, gm, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), rtol)
     if not isinstance(gm, fx.GraphModule):

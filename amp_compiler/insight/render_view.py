@@ -11,11 +11,9 @@ reads it). Rule and module texts repeat across a large graph, so nodes refer to 
 """
 from __future__ import annotations
 
-import functools
 
 import torch.fx as fx
 
-from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.insight.graph_decisions import computed_dtype, fp32_islands, graph_summary, module_of, precision_of
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.policy.numerics import dtype_name
@@ -32,7 +30,8 @@ class Interned(dict):
 
 def fx_view(module, title: str | None = None) -> dict:
     """The view of a module returned by convert() (a model run as written: each converted child)."""
-    from amp_compiler.insight.report import explain
+    from amp_compiler.insight.report import converted_model_in, explain
+    module = converted_model_in(module)   # a wrapper (peft) holds the converted model, as explain() reads it
     report = explain(module)
     summary = report.summary   # a model converted in place has no summary of its own
     rules, modules = Interned(), Interned()
@@ -40,24 +39,16 @@ def fx_view(module, title: str | None = None) -> dict:
             "subtitle": f"{summary['level']} {summary['dtype']}", "nodes": [], "islands": []}
     graphs = [(name, module.get_submodule(name)) for name in summary["children"]] \
         if "children" in summary else [("", module)]
-    renames = [None] * len(graphs)   # a graph's module and parameter paths -> the user's
-    from amp_compiler.dynamo.compile import compiled_graphs   # the dynamo package imports this module
-    if compiled_graphs(module):   # capture="dynamo" / amp_compiler.compile: every graph, paths the user's already
-        graphs = [(prefix, gm) for prefix, gm, _ in compiled_graphs(module)]
-        renames = [None] * len(graphs)
-    elif summary.get("in_place"):   # each part's latest graph, its "inner.x" modules renamed <part>.x
-        from amp_compiler.in_place.report import shown_graphs, user_path
-        shown = shown_graphs(in_place_conversion(module))
-        graphs = [(part.path, graph.gm) for part, graph in shown]
-        renames = [functools.partial(user_path, part.path) for part, _ in shown]
-    for (prefix, gm), rename in zip(graphs, renames):
-        _add_graph(view, gm, graph_summary(gm)["dtype"], prefix, rules, modules, rename)
+    from amp_compiler.dynamo.compile import compiled_graphs, compiled_state   # the dynamo package imports this module
+    if compiled_state(module) is not None:   # in place / amp_compiler.compile: every graph made so far (none before
+        graphs = [(prefix, gm) for prefix, gm, _ in compiled_graphs(module)]   # a call), paths the user's already
+    for prefix, gm in graphs:
+        _add_graph(view, gm, graph_summary(gm)["dtype"], prefix, rules, modules)
     view["rules"], view["modules"] = list(rules), list(modules)
     return view
 
 
-def _add_graph(view: dict, gm: fx.GraphModule, low: str, prefix: str, rules: Interned, modules: Interned,
-               rename=None):
+def _add_graph(view: dict, gm: fx.GraphModule, low: str, prefix: str, rules: Interned, modules: Interned):
     index: dict[fx.Node, int] = {}
     island_of = {}
     for island in fp32_islands(gm):
@@ -71,7 +62,7 @@ def _add_graph(view: dict, gm: fx.GraphModule, low: str, prefix: str, rules: Int
         precision = precision_of(node)
         kind = "io" if node.op in IO_OPS else "cast" if precision == "cast" else \
             "opaque" if amp.get("family") == "opaque" else "op"
-        module = rename(module_of(node)) if rename else ".".join(p for p in (prefix, module_of(node)) if p)
+        module = ".".join(p for p in (prefix, module_of(node)) if p)
         index[node] = len(view["nodes"])
         view["nodes"].append({
             "name": node.name, "op": "input" if node.op == "placeholder" else node.op if kind == "io" else
@@ -79,6 +70,5 @@ def _add_graph(view: dict, gm: fx.GraphModule, low: str, prefix: str, rules: Int
             "dtype": computed_dtype(node, low) if kind != "io" else dtype_name(amp.get("dtype")),
             "module": modules.index(module), "rule": rules.index(amp.get("rule", "")),
             "inputs": [index[source] for source in node.all_input_nodes if source in index],
-            "reads": [rename(str(source.target)) if rename else str(source.target)
-                      for source in node.all_input_nodes if source.op == "get_attr"],
+            "reads": [str(source.target) for source in node.all_input_nodes if source.op == "get_attr"],
             "island": island_of.get(node.name, -1)})

@@ -29,8 +29,7 @@ from amp_compiler.insight.graph_decisions import (computed_dtype, fp32_islands, 
 from amp_compiler.frontend.hooks import hook_lines
 from amp_compiler.frontend.training_reads import as_written_copy, training_lines
 from amp_compiler.insight.report_diff import PrecisionDiff, diff_reports
-from amp_compiler.insight.report_text import WIDTH, module_table, parts_lines, summarise_paths, wrapped
-from amp_compiler.in_place.conversion import in_place_conversion
+from amp_compiler.insight.report_text import WIDTH, module_table, summarise_paths, wrapped
 from amp_compiler.passes.node_facts import facts
 
 PRECISIONS = ("low", "fp32", "cast", "untouched")
@@ -56,7 +55,6 @@ class PrecisionReport:
                  f"{s.get('dtype')}, front end {s.get('frontend')}{_devices(s)}"]
         lines += nothing_converted_lines(s, t)
         lines.append(f"nodes: {self.counts()}")
-        lines += parts_lines(s.get("parts", {}))
         for warning in self.warnings:
             lines += wrapped("WARNING", [warning])
         lines += calibration_lines(s.get("pass_counts", {}).get("calibrate_ranges"), t.get("range_kept", []))
@@ -107,10 +105,7 @@ def explain(gm, other=None, *, only: str | None = None, module: str | None = Non
     if other is not None:
         return diff(gm, other)
     wrapper, gm = gm, converted_model_in(gm)
-    if in_place_conversion(gm) is not None:   # convert(model, inplace=True): its parts' graphs, merged
-        from amp_compiler.in_place.report import explain_in_place
-        report = explain_in_place(gm)
-    elif (compiled := compiled_state(gm)) is not None:   # amp_compiler.compile(model): dynamo's graphs, merged
+    if (compiled := compiled_state(gm)) is not None:   # in place / amp_compiler.compile: dynamo's graphs, merged
         from amp_compiler.dynamo.report import explain_compiled
         report = explain_compiled(gm, compiled)
     elif "children" in (summary := graph_summary(gm)):
@@ -137,8 +132,7 @@ def converted_model_in(module):
     """The converted model a wrapper holds: peft's PeftModel keeps it at base_model.model (LoraModel's `model`),
     whether it was converted in place or convert() returned it before get_peft_model; `module` itself otherwise."""
     for _ in range(4):   # PeftModel -> LoraModel -> the model
-        if not isinstance(module, nn.Module) or in_place_conversion(module) is not None or \
-                compiled_state(module) is not None or \
+        if not isinstance(module, nn.Module) or compiled_state(module) is not None or \
                 isinstance(module, fx.GraphModule) or "amp" in (module.__dict__.get("meta") or {}):
             return module
         inner = getattr(module.__dict__.get("_modules", {}).get("base_model"), "model", None)
@@ -217,7 +211,7 @@ def nothing_converted_lines(summary: dict, totals: dict) -> list[str]:
     is one opaque call runs under autocast: its numbers are autocast's, not this compiler's)."""
     low = summary.get("dtype")
     ran_low = any(n for dtype, n in totals["nodes_per_dtype"].items() if dtype != "float32")   # fp8 counts too
-    if "parts" in summary or ran_low:   # in place: the parts block says it
+    if ran_low:
         return []
     opaque = summary.get("opaque", {})
     if summary.get("level") == "O0":
@@ -242,7 +236,7 @@ def _leaf_lines(leaves: list[str]) -> list[str]:
 
 
 def add_calibration(pass_counts: dict, calibrated: dict | None) -> None:
-    """One graph's calibration counts into a report of several (parts, dynamo's graphs): the most samples a graph
+    """One graph's calibration counts into a report of several (dynamo's graphs): the most samples a graph
     saw, the overflowing nodes of all of them."""
     if calibrated:
         merged = pass_counts.setdefault("calibrate_ranges", {"samples": 0, "nodes_overflowing": 0})

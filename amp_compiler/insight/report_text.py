@@ -53,38 +53,6 @@ def summarise_paths(paths: list[str]) -> list[str]:
     return summary
 
 
-def parts_lines(parts: dict[str, dict]) -> list[str]:
-    """The "parts:" block of a model converted in place (summary["parts"]): the parts that run graphs, by
-    captures; those run as written, one line per reason; those not called yet. Numbered repeats fold
-    (model.layers.[0-31].mlp), so a 32-layer model takes as many lines as a 2-layer one."""
-    if not parts:
-        return []
-    counts = {status: sum(1 for p in parts.values() if p["status"] == status)
-              for status in ("graph", "as written", "not called yet")}
-    head = ", ".join(f"{n} {'graphs' if status == 'graph' and n != 1 else status}" for status, n in counts.items()
-                     if n)
-    graphs, as_written, not_called = {}, {}, {}   # (kind, detail) -> part paths
-    for path, part in parts.items():
-        if part["status"] == "graph":
-            graphs.setdefault(("graphs", _captures(part["captures"], part["graphs"])), []).append(path)
-        for reason in part["reasons"]:   # reasons that differ in numbers only (a layer's index) share a line
-            same = [known for known in as_written if _DIGITS.sub("#", known[1]) == _DIGITS.sub("#", reason)]
-            as_written.setdefault(same[0] if same else ("as written", reason), []).append(path)
-        if part["status"] == "not called yet":
-            not_called.setdefault(("not called yet", ""), []).append(path)
-    lines = [f"parts: {head} ({sum(p['captures'] for p in parts.values())} captures)"]
-    for (kind, detail), paths in (graphs | as_written | not_called).items():
-        shown = summarise_paths([path or "(top level)" for path in paths])
-        lines += wrapped(f"  {kind} ({len(paths)}){', ' + detail if detail else ''}", shown)
-    return lines
-
-
-def _captures(captures: int, graphs: int) -> str:
-    if graphs > 1:
-        return f"{captures} captures and {graphs} graphs each (rows: the latest)"
-    return "" if captures == 1 else f"{captures} captures each"
-
-
 def _number_set(numbers: list[int]) -> str:
     if len(numbers) == 1:
         return str(numbers[0])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from amp_compiler.in_place.conversion import in_place_conversion
 from amp_compiler.insight.compare import describe_inputs, first_line
 from amp_compiler.passes.fx.infer_dtypes import value_dtype
 from amp_compiler.passes.policy.numerics import dtype_name
@@ -38,12 +37,8 @@ class _Checker(fx.Interpreter):
 
 def verify(gm: fx.GraphModule, *inputs, **kwargs) -> None:
     """Run `gm` on `inputs` and raise DtypeMismatch at the first node whose dtype is not the recorded one."""
-    if in_place_conversion(gm) is not None:   # convert(model, inplace=True): each part graph on what it receives
-        from amp_compiler.in_place.report import verify_in_place
-        verify_in_place(gm, inputs, kwargs)
-        return
     from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
-    if compiled_state(gm) is not None:   # capture="dynamo": every graph on what it receives
+    if compiled_state(gm) is not None:   # in place: every graph dynamo made, on what it receives
         from amp_compiler.dynamo.report import verify_compiled
         verify_compiled(gm, inputs, kwargs)
         return

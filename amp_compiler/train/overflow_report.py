@@ -8,15 +8,15 @@
 A normal step pays nothing: checks exist only during the replay. For the replay every graph of the model
 runs node by node through a checking fx.Interpreter (its GraphModule's `forward` is swapped for the replay
 and put back after), each floating node output is tested for inf/nan and gets a gradient hook; modules that
-run as written (parts of an in-place conversion that could not be captured, or any plain nn.Module) are
-checked at their inputs and outputs by module hooks, a coarser granularity. The report names:
+run as written (any plain nn.Module, a module holding compiled children) are checked at their inputs and
+outputs by module hooks, a coarser granularity. The report names:
 
     forward     the first node (execution order) whose output went inf/nan, with its module path
     backward    the first node in backward order (nearest the loss) whose gradient w.r.t. its output did
     parameters  the parameters whose .grad is non-finite after the replay
 
-On TorchDynamo's capture (convert(..., capture="dynamo"), amp_compiler.compile with backend="eager") the graphs are
-the ones dynamo calls: each is swapped the same way, and the modules inside a compiled forward get no hooks (a
+In place (convert(..., inplace=True), amp_compiler.compile with backend="eager") the graphs are the ones dynamo
+calls: each is swapped the same way, and the modules inside a compiled forward get no hooks (a
 hook there would make dynamo compile again); code dynamo runs between graphs (a graph break) is not checked.
 
 The replay leaves the model as it found it: graphs' forwards, hooks, buffers (batch-norm statistics) and
@@ -28,7 +28,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -36,9 +36,9 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from amp_compiler.dynamo.compile import CompiledForward, compiled_state
+from amp_compiler.dynamo.compile import CompiledForward, compiled_state, history_stores
 from amp_compiler.dynamo.backend import graphs as dynamo_graphs
-from amp_compiler.in_place.conversion import ATTRIBUTE, undone_effects   # undone_effects: buffers back
+from amp_compiler.dynamo.effects import undone_effects   # buffers and amax histories back after the replay
 from amp_compiler.insight.graph_decisions import module_of
 from amp_compiler.passes.node_facts import facts
 
@@ -106,7 +106,8 @@ def locate_overflow(model: nn.Module, replay) -> OverflowReport | None:
     finder, parameters = _Finder(), []
     try:
         parameters = list(model.named_parameters())
-        with _checks_installed(model, finder), _grads_kept(parameters), undone_effects(model):
+        with _checks_installed(model, finder), _grads_kept(parameters), \
+                undone_effects(model, history_stores(model)):
             try:
                 replay()
             except Exception as error:  # noqa: BLE001 - a report is still wanted; the note names the error
@@ -216,9 +217,9 @@ class _CheckingInterpreter(fx.Interpreter):
     A node whose infinity is intended is not an overflow: a constant +-inf written into finite inputs
     (masked_fill(mask, -inf), full(-inf)) and what only such values reach while staying free of nan."""
 
-    def __init__(self, gm: fx.GraphModule, finder: _Finder, part: str | None, prefix: str = ""):
+    def __init__(self, gm: fx.GraphModule, finder: _Finder, part: str | None):
         super().__init__(gm)
-        self.finder, self.part, self.prefix = finder, part, prefix
+        self.finder, self.part = finder, part
         self.non_finite: dict = {}      # node -> "intended" | "overflow", for the nodes seen non-finite
 
     def run_node(self, node: fx.Node):
@@ -228,7 +229,7 @@ class _CheckingInterpreter(fx.Interpreter):
         return result
 
     def _check(self, node: fx.Node, result) -> None:
-        where = _node_place(node, self.part, self.prefix)
+        where = _node_place(node, self.part)
         kind, dtype = _non_finite(result)
         if kind is not None:
             intended = self._intended(node, kind)
@@ -246,8 +247,11 @@ class _CheckingInterpreter(fx.Interpreter):
 
 
 def _is_parameter_cast(node: fx.Node) -> bool:
-    return facts(node).get("op") == "cast" and all(n.op == "get_attr" or _is_parameter_input(n)
-                                                   for n in node.all_input_nodes)
+    """A cast of a weight: what it casts is a get_attr or a parameter input (a weight-cache cast also reads the
+    cache's check, a second input that is no weight)."""
+    weight = node.args[0] if node.args else None
+    return facts(node).get("op") == "cast" and isinstance(weight, fx.Node) and \
+        (weight.op == "get_attr" or _is_parameter_input(weight))
 
 
 def _is_parameter_input(node: fx.Node) -> bool:
@@ -261,12 +265,9 @@ def _has_infinite_constant(node: fx.Node) -> bool:
     return any(isinstance(value, float) and math.isinf(value) for value in leaves)
 
 
-def _node_place(node: fx.Node, part: str | None, prefix: str = "") -> dict:
-    module = module_of(node)
-    if part is not None:   # a part's graph calls the part's module "inner"
-        module = _join(part, module.removeprefix("inner").lstrip("."))
-    elif prefix:           # a compiled module's graph names modules from that module
-        module = _join(prefix, module)
+def _node_place(node: fx.Node, part: str | None) -> dict:
+    """`part`: the path of the compiled module whose graph holds `node` (its graph names modules from it)."""
+    module = _join(part, module_of(node)) if part is not None else module_of(node)
     return {"part": part, "module": module, "node": node.name, "op": facts(node).get("op") or str(node.target),
             "found": "node output"}
 
@@ -275,7 +276,7 @@ def _join(path: str, child: str) -> str:
     return f"{path}.{child}" if path and child else path or child
 
 
-def _checking_forward(gm: fx.GraphModule, finder: _Finder, part: str | None, compiled, prefix: str = ""):
+def _checking_forward(gm: fx.GraphModule, finder: _Finder, part: str | None, compiled):
     signature = inspect.signature(compiled)
 
     def forward(*args, **kwargs):
@@ -284,7 +285,7 @@ def _checking_forward(gm: fx.GraphModule, finder: _Finder, part: str | None, com
         try:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            return _CheckingInterpreter(gm, finder, part, prefix).run(*bound.args)
+            return _CheckingInterpreter(gm, finder, part).run(*bound.args)
         except Exception as error:  # noqa: BLE001 - the compiled graph decides whether the call itself fails
             finder.note = finder.note or (f"the checks stopped early (graph of {part or MODEL!r} did not run node "
                                           f"by node: {type(error).__name__}: {_first_line(error)})")
@@ -296,19 +297,18 @@ def _checking_forward(gm: fx.GraphModule, finder: _Finder, part: str | None, com
 class _ModuleChecks:
     """Forward hooks on every module that runs as itself: a module's non-finite output (or an input already
     non-finite when it arrives: the enclosing module's own code, or the batch itself, made it) when no node
-    has been named. Modules inside a part's graph get none: the graph calls copies of them (its nodes are
-    checked instead), and a hook there would change what the graph was captured with (it would capture again)."""
+    has been named. Modules inside a compiled forward get none: its graphs' nodes are checked instead, and a
+    hook there would make dynamo compile again."""
 
     def __init__(self, model: nn.Module, finder: _Finder):
         self.model, self.finder = model, finder
         self.running: list = []        # paths of the modules whose forward is under way, innermost last
         self.modules = dict(model.named_modules())
-        self.parts: dict = {}
+        self.compiled: list = []       # paths of the compiled modules
         self.handles: list = []
 
     def install(self) -> None:
-        self.parts = _parts(self.model)   # anew: a capture during the replay adds graphs and parts
-        inside = [path for path, part in self.parts.items() if part.graphs] + list(_compiled_modules(self.model))
+        self.compiled = inside = list(_compiled_modules(self.model))
         for path, module in self.modules.items():
             if any(path.startswith(f"{part}.") if part else path for part in inside):
                 continue
@@ -319,16 +319,6 @@ class _ModuleChecks:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-
-    @contextmanager
-    def suspended(self):
-        """Without these hooks: a capture during the replay must compile the graph it would without them
-        (a hooked module stays a module call in the graph)."""
-        self.remove()
-        try:
-            yield
-        finally:
-            self.install()
 
     def _before(self, path: str, module: nn.Module):
         def hook(_module, args, kwargs):
@@ -367,8 +357,8 @@ class _ModuleChecks:
                 "found": found}
 
     def _part_of(self, path: str) -> str | None:
-        """The innermost part of an in-place conversion holding `path`; None for other models."""
-        within = [p for p in self.parts if p == "" or path == p or path.startswith(p + ".")]
+        """The innermost compiled module holding `path`; None for other models."""
+        within = [p for p in self.compiled if p == "" or path == p or path.startswith(p + ".")]
         return max(within, key=len) if within else None
 
 
@@ -382,39 +372,31 @@ class _checks_installed:
     def __enter__(self):
         self.stack = ExitStack()
         try:
-            parts = _parts(self.model)
-            for gm, part in _graphs(self.model, parts):
-                self._swap_forward(gm, part)
+            for gm in _graph_modules(self.model):
+                self._swap_forward(gm, None)
             for prefix, compiled in _compiled_modules(self.model).items():
                 for gm in dynamo_graphs(compiled):
-                    self._swap_forward(gm, None, prefix)
+                    self._swap_forward(gm, prefix)
+                self._check_new_graphs(compiled_state(compiled).converter.watchers, prefix)
             self.module_checks = _ModuleChecks(self.model, self.finder)
             self.stack.callback(self.module_checks.remove)
             self.module_checks.install()
-            for prefix, conversion in _conversions(self.model):
-                self._check_new_captures(prefix, conversion)
         except BaseException:
             self.stack.close()
             raise
         return self
 
-    def _check_new_captures(self, prefix: str, conversion) -> None:
-        """A part capturing during the replay (its first call like this one) compiles without the module
-        hooks, and its new graph is checked node by node like the others."""
-        capture = conversion.capture
+    def _check_new_graphs(self, watchers: list, prefix: str) -> None:
+        """A graph dynamo makes during the replay (a first call, a recompile) is checked node by node too."""
+        def watch(gm):
+            self._swap_forward(gm, prefix)
+        watchers.append(watch)
+        self.stack.callback(lambda: watchers.remove(watch) if watch in watchers else None)
 
-        def capture_and_check(part, *args):
-            with self.module_checks.suspended():
-                graph = capture(part, *args)
-            self._swap_forward(graph.gm, _join(prefix, part.path))
-            return graph
-        conversion.capture = capture_and_check
-        self.stack.callback(lambda: conversion.__dict__.pop("capture", None))
-
-    def _swap_forward(self, gm: fx.GraphModule, part: str | None, prefix: str = "") -> None:
+    def _swap_forward(self, gm: fx.GraphModule, part: str | None) -> None:
         had = "forward" in gm.__dict__
         own = gm.__dict__.get("forward")
-        gm.__dict__["forward"] = _checking_forward(gm, self.finder, part, gm.forward, prefix)
+        gm.__dict__["forward"] = _checking_forward(gm, self.finder, part, gm.forward)
 
         def put_back():
             if had:
@@ -431,33 +413,15 @@ class _checks_installed:
         return False
 
 
-def _conversions(model: nn.Module) -> list:
-    """(module path, InPlaceConversion) of the model and of any module in it converted in place (a
-    LightningModule or a wrapper holding the converted model)."""
-    return [(path, module.__dict__[ATTRIBUTE]) for path, module in model.named_modules()
-            if ATTRIBUTE in module.__dict__]
-
-
 def _compiled_modules(model: nn.Module) -> dict:
     """{module path: module} of the modules in `model` whose forward TorchDynamo compiles for amp_compiler."""
     return {path: module for path, module in model.named_modules()
             if isinstance(compiled_state(module), CompiledForward)}
 
 
-def _parts(model: nn.Module) -> dict:
-    """Every in-place part, by its path in `model`."""
-    return {_join(prefix, path): part for prefix, conversion in _conversions(model)
-            for path, part in conversion.parts.items()}
-
-
-def _graphs(model: nn.Module, parts: dict) -> list:
-    """(GraphModule, part path or None): an in-place conversion's graphs, and GraphModules in the tree."""
-    found = [(graph.gm, path) for path, part in parts.items()
-             for graphs in part.graphs.values() for graph in graphs]
-    seen = {id(gm) for gm, _ in found}
-    found += [(module, None) for module in model.modules()
-              if isinstance(module, fx.GraphModule) and id(module) not in seen]
-    return found
+def _graph_modules(model: nn.Module) -> list:
+    """The GraphModules in the model's tree (convert() results, a model holding them)."""
+    return [module for module in model.modules() if isinstance(module, fx.GraphModule)]
 
 
 class _grads_kept:
@@ -486,11 +450,8 @@ def _precision_of(model: nn.Module) -> str:
 
 
 def _low_dtype_name(model: nn.Module) -> str:
-    conversions = _conversions(model)
     compiled = list(_compiled_modules(model).values())
-    if conversions:
-        name = str(conversions[0][1].config.low_dtype).removeprefix("torch.")
-    elif compiled:
+    if compiled:
         name = str(compiled_state(compiled[0]).config.low_dtype).removeprefix("torch.")
     else:
         name = next((str(m.meta.get("amp", {}).get("dtype")) for m in model.modules()

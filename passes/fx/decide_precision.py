@@ -127,9 +127,21 @@ class FxNodes:
 
     def record(self, node: fx.Node, amp: dict, painted: dict | None, rules: PrecisionRules) -> None:
         if painted is not None:
-            amp["fp32_weights"] = amp["precision"] == "low" and rules.keeps_fp32_weights(amp["op"])
+            state_statistics = amp["op"] == "batch_norm" and _reads_statistics_as_inputs(node)
+            amp["fp32_weights"] = amp["precision"] == "low" and (rules.keeps_fp32_weights(amp["op"])
+                                                                 or state_statistics)
             if amp["fp32_weights"] and amp["reason"] not in amp["rule"]:   # painted by a neighbour: say why
                 amp["rule"] = f"{amp['rule']}; mixed kernel: fp32 weights and statistics"
+            elif amp["fp32_weights"] and state_statistics and not rules.keeps_fp32_weights(amp["op"]):
+                amp["rule"] = (f"{amp['rule']}; mixed kernel: its running statistics are the model's buffers, "
+                               "updated in place (a low copy would take the update away), fp32 weights with them")
+
+
+def _reads_statistics_as_inputs(node: fx.Node) -> bool:
+    """batch_norm whose running statistics are graph inputs (TorchDynamo passes buffers as placeholders): a cast of
+    them would run the in-place update on the copy. (fx reads them with get_attr from the module it calls.)"""
+    statistics = node.args[1:3]
+    return any(isinstance(s, fx.Node) and s.op == "placeholder" for s in statistics)
 
 
 def _unary_write(node: fx.Node) -> bool:

@@ -75,8 +75,27 @@ def insert_casts(gm: fx.GraphModule, low: torch.dtype, original_output_dtypes: l
         for value, original in zip(outputs, original_output_dtypes):
             have = facts(value).get("dtype")
             if is_float(have) and is_float(original) and have != original and not keeps_its_dtype(value):
-                output.replace_input_with(value, cast_of(value, original, output))
+                output.replace_input_with(value, _cast_in_its_grad_mode(graph, value, original, make_cast)
+                                          if _grad_mode_changes_after(value) else cast_of(value, original, output))
     return PassResult(modified=inserted > 0, counts={"casts_inserted": inserted})
+
+
+def _cast_in_its_grad_mode(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, make_cast) -> fx.Node:
+    """An output's cast of its own right after the value: grad mode changes before the output (dynamo records
+    `with torch.enable_grad():` as _set_grad_enabled calls), and a cast made there, or shared with a reader there,
+    would return a tensor without the gradient the value has."""
+    with graph.inserting_after(value):
+        why = f"boundary: {value.name} ({dtype_name(value.meta['amp']['dtype'])}) returned as {dtype_name(dtype)}"
+        return make_cast(graph, value, dtype, why)
+
+
+def _grad_mode_changes_after(value: fx.Node) -> bool:
+    node = value.next
+    while node.op != "output":
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            return True
+        node = node.next
+    return False
 
 
 STATE_OUTPUT = "amp_state_output"   # node meta: a value the graph stores into model state (a KV cache), not returns
@@ -111,5 +130,7 @@ def output_value_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 def reads_as_norm_weight(norm: fx.Node, value: fx.Node) -> bool:
     """Whether a mixed norm kernel reads `value` as a weight or statistic (fp32), not as its data input.
     The data input is the first argument of every norm op; it can be a parameter too (DeBERTa-v3 normalises
-    its relative-position table, a weight, and reads the result as an activation)."""
-    return value.op == "get_attr" and not (norm.args and norm.args[0] is value)
+    its relative-position table, a weight, and reads the result as an activation). A weight is module state: a
+    get_attr, or a placeholder where the front end passes state as graph inputs (TorchDynamo: batch norm's running
+    statistics cast low there would take its in-place update away from the model's buffers)."""
+    return value.op in ("get_attr", "placeholder") and not (norm.args and norm.args[0] is value)

@@ -1,11 +1,11 @@
 """Delayed fp8 scaling in place: one set of amax histories per matmul of the user's model, in its state_dict.
 
-convert(model, "fp8", fp8_scaling="delayed", inplace=True) captures graphs lazily, each with its own
+convert(model, "fp8", fp8_scaling="delayed", inplace=True): dynamo makes graphs lazily, each with its own
 Fp8History modules (gm.fp8_history.<node>). Left there, the histories would be in no checkpoint (the graphs
-are outside the model's module tree), a resumed run would restart them empty, and a part's eval graph (captured
-apart from its training graph) would read an empty history of its own. So the conversion keeps the history
-tensors, keyed by the matmul's module path, and every graph a part captures (train, eval, another dtype) holds
-those very tensors as its Fp8History buffers:
+are outside the model's module tree), a resumed run would restart them empty, and an eval graph (made apart from
+the training graph) would read an empty history of its own. So the compiled forward keeps the history tensors,
+keyed by the matmul's module path, and every graph dynamo makes (train, eval, prefill, decode) holds those very
+tensors as its Fp8History buffers:
 
     state_dict()       adds   <module path>._amp_fp8_history.{x,w,grad}     (a matmul of another parameter of
                                                                              the module: _amp_fp8_history_<name>;
@@ -16,14 +16,11 @@ those very tensors as its Fp8History buffers:
 
 Nothing else changes in the state_dict; a model converted at another level or recipe has no such keys (load a
 delayed checkpoint there with strict=False). Each graph's Fp8History keeps its own training flag: only
-training-mode graphs record, eval graphs read what training recorded. On TorchDynamo's capture the store is the
-compiled forward's and binds every graph dynamo makes (graphs=DYNAMO: weights are placeholders, module paths the
-user's already).
+training-mode graphs record, eval graphs read what training recorded.
 """
 from __future__ import annotations
 
 import collections
-import warnings
 
 import torch
 from torch import nn
@@ -32,14 +29,14 @@ from amp_compiler.passes.fx.fp8_runtime import HISTORIES, Fp8History
 from amp_compiler.passes.node_facts import facts
 
 STATE_NAME = "_amp_fp8_history"   # <module path>.<STATE_NAME>.<x|w|grad> in the model's state_dict
-PARTS, DYNAMO = "parts", "dynamo"   # what captured the graphs a store binds
 
 
 class Fp8HistoryStore:
     """The conversion's amax histories: key (see module docstring) -> {"x", "w", "grad": the shared tensor}."""
 
-    def __init__(self, model: nn.Module, length: int, graphs: str = PARTS):
-        self.length, self.graphs = length, graphs   # fp8_history: how many calls each history holds
+    def __init__(self, model: nn.Module, length: int):
+        self.length = length   # fp8_history: how many calls each history holds
+        self.not_mine: tuple = ()   # paths of submodules compiled with their own store (an encoder-decoder's encoder)
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
         self.handles = [model.register_state_dict_post_hook(_Hook(self, "add_to_state_dict")),
                         model.register_load_state_dict_pre_hook(_Hook(self, "take_from_state_dict"))]
@@ -49,10 +46,10 @@ class Fp8HistoryStore:
             handle.remove()
 
     # -- graphs ---------------------------------------------------------------------------------------------
-    def bind(self, gm: torch.fx.GraphModule, part_path: str) -> None:
-        """Make each Fp8History of a freshly captured graph hold the store's tensors for its matmul (the graph's
+    def bind(self, gm: torch.fx.GraphModule) -> None:
+        """Make each Fp8History of a graph dynamo just made hold the store's tensors for its matmul (the graph's
         own zeros, or its calibrated start, become the store's when the matmul has none yet)."""
-        for key, history in _histories_by_key(gm, part_path, self.graphs).items():
+        for key, history in _histories_by_key(gm).items():
             shared = self.tensors.get(key)
             if shared is None:
                 self.tensors[key] = {name: getattr(history, name) for name in HISTORIES}
@@ -76,7 +73,9 @@ class Fp8HistoryStore:
     def take_from_state_dict(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                              unexpected_keys, error_msgs) -> None:
         loaded: dict[str, dict[str, torch.Tensor]] = {}
-        for full_key in [k for k in state_dict if k.startswith(prefix) and _is_history_key(k[len(prefix):])]:
+        theirs = tuple(f"{prefix}{path}." for path in self.not_mine)   # a submodule's own store takes those
+        for full_key in [k for k in state_dict if k.startswith(prefix) and _is_history_key(k[len(prefix):])
+                         and not k.startswith(theirs)]:
             key, name = full_key[len(prefix):].rsplit(".", 1)
             loaded.setdefault(key, {})[name] = state_dict.pop(full_key)
         for key in self.tensors.keys() - loaded.keys():
@@ -107,47 +106,9 @@ def pop_history_keys(state_dict: dict) -> dict:
     return {key: state_dict.pop(key) for key in [k for k in state_dict if _is_history_key(k)]}
 
 
-def load_histories(model: nn.Module, histories: dict | None) -> None:
-    """Put `histories` (pop_history_keys of a state_dict saved from `model`) back into its conversion: into the
-    graphs captured so far and those captured later. Warns, rather than resume on other scales unsaid, when the
-    checkpoint has none for a model converted at fp8_scaling="delayed" (they restart empty), or has some for a
-    model converted otherwise (they are dropped)."""
-    stores = history_stores(model)
-    if not stores and histories:
-        warnings.warn(f"the checkpoint holds {len(histories) // len(HISTORIES)} fp8 amax histories (fp8_scaling="
-                      f"'delayed'), but {type(model).__name__} is not converted in place at that recipe: they are "
-                      "dropped", UserWarning, stacklevel=3)
-    elif stores and not histories:
-        warnings.warn(f"{type(model).__name__} is converted at fp8_scaling='delayed', but the checkpoint holds no "
-                      "fp8 amax histories (saved before they were kept, or at another level): they restart empty, "
-                      "so the next scales are not the interrupted run's", UserWarning, stacklevel=3)
-    if not stores or not histories:
-        return
-    errors: list[str] = []
-    for prefix, store in stores:   # a model whose children were compiled one by one: each child's, by its path
-        store.take_from_state_dict(model, dict(histories), prefix, {}, True, [], [], errors)
-    if errors:
-        raise RuntimeError("loading fp8 amax histories: " + "; ".join(errors))
-
-
 def _length_error(key: str, loaded: torch.Tensor, length: int) -> str:
     return f"fp8 amax history {key}: {loaded.numel()} calls in the checkpoint, {length} in this conversion " \
            "(fp8_history)"
-
-
-def history_stores(model: nn.Module) -> list[tuple[str, Fp8HistoryStore]]:
-    """(the state_dict prefix of its keys, the amax histories) of a model converted in place at
-    fp8_scaling="delayed": the model's own on either capture, or each compiled child's (compile_children,
-    compile_per_block); [] for any other model."""
-    from amp_compiler.dynamo.compile import CompiledChildren, compiled_state   # the dynamo package imports in_place
-    if not isinstance(model, nn.Module):
-        return []
-    state = model.__dict__.get("_amp_in_place") or compiled_state(model)
-    if isinstance(state, CompiledChildren):
-        return [(f"{path}.{prefix}", store) for path in state.children
-                for prefix, store in history_stores(model.get_submodule(path))]
-    store = getattr(state, "fp8_histories", None)
-    return [("", store)] if store is not None else []
 
 
 class _Hook:
@@ -165,9 +126,9 @@ def _is_history_key(key: str) -> bool:
     return len(parts) >= 2 and parts[-1] in HISTORIES and parts[-2].startswith(STATE_NAME)
 
 
-def _histories_by_key(gm: torch.fx.GraphModule, part_path: str, graphs: str = PARTS) -> dict[str, Fp8History]:
+def _histories_by_key(gm: torch.fx.GraphModule) -> dict[str, Fp8History]:
     """{"<user's module path>.<STATE_NAME>[_<weight>][_<i>of<n>]": the graph's Fp8History} for its delayed-scaled
-    matmuls. A matmul is named by the parameter it reads as w, not by its place in the graph: a part's graphs
+    matmuls. A matmul is named by the parameter it reads as w, not by its place in the graph: a model's graphs
     (train, eval) may run different matmuls of one module (an `if self.training` branch), and each must get the
     history of its own weight. The module's own `weight` (or a tied one) keeps the plain key; another of its
     parameters adds its name (F.linear(x, self.w_in): _amp_fp8_history_w_in). Where one name is read by n > 1
@@ -180,13 +141,12 @@ def _histories_by_key(gm: torch.fx.GraphModule, part_path: str, graphs: str = PA
             continue
         module = next((facts(user).get("module") for user in node.users if facts(user).get("module") is not None),
                       None)
-        inside = module if module is None or graphs == DYNAMO else _user_path(module)
-        path = ".".join(p for p in (part_path, inside) if p)
-        base = f"{path}.{STATE_NAME}" if path else STATE_NAME
+        inside = module   # the user's module path (dynamo's nn_module_stack, graph_inputs.py)
+        base = f"{inside}.{STATE_NAME}" if inside else STATE_NAME
         if inside is None:   # no module recorded: the node's name keeps it apart
             base = f"{base}_{node.target.rsplit('.', 1)[1]}"
         else:
-            own = _own_name(_weight_parameter(node, gm, graphs), inside)
+            own = _own_name(_weight_parameter(node, gm), inside)
             if own is not None and own != "weight":
                 base = f"{base}_{own.replace('.', '_')}"
         bases.append((base, gm.get_submodule(node.target)))
@@ -201,7 +161,7 @@ def _histories_by_key(gm: torch.fx.GraphModule, part_path: str, graphs: str = PA
 
 
 def _own_name(parameter: str | None, module: str) -> str | None:
-    """`parameter`'s name inside `module` (both part-relative), or None when it is not the module's (a weight
+    """`parameter`'s name inside `module` (both the user's paths), or None when it is not the module's (a weight
     tied to another module's, as an lm_head to its embedding: named by that module, the matmul keeps the plain
     key)."""
     if parameter is None or not module:
@@ -209,23 +169,16 @@ def _own_name(parameter: str | None, module: str) -> str | None:
     return parameter.removeprefix(f"{module}.") if parameter.startswith(f"{module}.") else None
 
 
-def _weight_parameter(history_node: torch.fx.Node, gm: torch.fx.GraphModule, graphs: str = PARTS) -> str | None:
-    """The part-relative name of the parameter the matmul of `history_node` scales as its w operand (through
-    the casts and views before its amax), or None when w is computed (an activation)."""
+def _weight_parameter(history_node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
+    """The user's name of the parameter the matmul of `history_node` scales as its w operand (through the casts
+    and views before its amax: a placeholder dynamo names), or None when w is computed (an activation)."""
     scale = next((user for user in history_node.users if len(user.args) > 2 and user.args[2] == "w"), None)
     amax = scale.args[0] if scale is not None else None
     node = amax.args[0] if isinstance(amax, torch.fx.Node) and amax.args else None
     while isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method") \
             and len(node.all_input_nodes) == 1:
         node = node.all_input_nodes[0]
-    if graphs == DYNAMO and isinstance(node, torch.fx.Node) and node.op == "placeholder":
-        weight = gm.meta.get("amp", {}).get("graph_inputs", {}).get(node.name)
-        return weight["name"] if weight is not None and weight["kind"] == "parameter" else None
-    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+    if not isinstance(node, torch.fx.Node) or node.op != "placeholder":
         return None
-    return _user_path(node.target)
-
-
-def _user_path(module: str) -> str:
-    """A module path as the graph names it ("inner.0": the part's BoundCall copy) as the part names it ("0")."""
-    return module.removeprefix("inner").removeprefix(".")
+    weight = gm.meta.get("amp", {}).get("graph_inputs", {}).get(node.name)
+    return weight["name"] if weight is not None and weight["kind"] == "parameter" else None
