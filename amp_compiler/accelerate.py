@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 import amp_compiler
-from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.converted import compiled_record
 from amp_compiler.train.loss_scale import LossScaleManager
 from amp_compiler.train.overflow_report import locate_overflow
 
@@ -107,7 +107,7 @@ def checked_scaler(scaler: LossScaleManager | None, dtype: torch.dtype) -> LossS
 def convert_once(model: nn.Module, level: str, dtype: torch.dtype, convert_options: dict) -> None:
     """Convert in place (on TorchDynamo), unless the model already is (a second prepare or Trainer keeps its
     conversion)."""
-    conversion = compiled_state(model)
+    conversion = compiled_record(model)
     if conversion is None:
         amp_compiler.convert(model, level, inplace=True, dtype=dtype, **convert_options)
     elif conversion.config.low_dtype != dtype:   # fp16 graphs trained without a scaler, or bf16 ones with one

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from amp_compiler.convert import convert
-from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.converted import compiled_record
 from amp_compiler.train.low_weights import fused_copy_
 from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 from amp_compiler.train.scale_arguments import checked_scale
@@ -212,7 +212,7 @@ def _returned(models, model_list, optimizers, optimizer_list):
 
 def _check_fresh(models: list, optimizers: list) -> None:
     again = any(hasattr(optimizer, "_amp_stash") for optimizer in optimizers) or any(
-        compiled_state(model) is not None for model in models)
+        compiled_record(model) is not None for model in models)
     if again:   # before the dtype check: its advice (model.float()) would leave the first masters stale
         raise RuntimeError("a model or optimizer went through amp_compiler.initialize already: call initialize "
                            "once, with every model and optimizer (lists)")
@@ -254,10 +254,10 @@ def _convert(model: nn.Module, properties: Properties, capture: str | None = Non
         # the graphs are captured on calls, after _cast: they read the low weights as the model holds
         # them, so the model's code meets its inputs in the weights' dtype, as Apex's patched forward casts them
         # (`x * self.scale` then a conv: an fp32 input and low weights fail in dynamo's trace as in eager)
-        state = compiled_state(model)
-        for forward in (state, *(compiled_state(model.get_submodule(path)) for path in state.nested)):
+        state = compiled_record(model)
+        for forward in (state, *(compiled_record(model.get_submodule(path)) for path in state.nested)):
             forward.weights_cast_low = True   # on purpose: no "call model.float()" warning
-        compiled_state(model).undo = (   # amp_compiler.restore(model) removes them
+        compiled_record(model).undo = (   # amp_compiler.restore(model) removes them
             model.register_forward_pre_hook(_InputsCast(properties.low_dtype), with_kwargs=True),
             model.register_forward_hook(_outputs_fp32))   # low outputs back fp32, as cast_model_outputs
 

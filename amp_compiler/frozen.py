@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from amp_compiler.converted import compiled_record
 from amp_compiler.passes.fx.fp8_runtime import fp8_amax, fp8_cast, fp8_delayed_scale, fp8_scale
 from amp_compiler.passes.fx.freeze_weight_casts import freeze_weight_casts
 from amp_compiler.passes.fx.runtime import amp_cast, amp_frozen_cast, graph_leaf
@@ -282,12 +283,9 @@ def pack_linears(model: nn.Module) -> nn.Module:
     a second low-precision copy of each Linear weight (frozen_bytes counts it: 2x). Returns `model`.
     On TorchDynamo's capture (convert(model, inplace=True)) the weight cache packs them already, keeping the packed
     copy only: nothing to do, unless the model was compiled with weight_cache=False."""
-    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
-    state = compiled_state(model)
-    if state is not None:
-        forwards = [state] if hasattr(state, "converter") else [compiled_state(model.get_submodule(name))
-                                                                for name in state.children]   # compile_children
-        if not all(forward.converter.caches_weights for forward in forwards):
+    record = compiled_record(model)
+    if record is not None:
+        if not all(forward.converter.caches_weights for forward in record.forwards(model)):
             raise TypeError("pack_linears() packs cached weight copies; this model was compiled with "
                             "weight_cache=False (or backend='inductor'): compile it with weight_cache=True")
         return model
@@ -332,19 +330,14 @@ def freeze(model: nn.Module, *, sample_values: bool = True) -> nn.Module:
     writes to, e.g. latency-bound GPU inference."""
     if not isinstance(sample_values, bool):
         raise TypeError(f"sample_values must be True or False, got {sample_values!r}")
-    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
-    compiled = compiled_state(model)
-    if compiled is not None:   # amp_compiler.compile / capture="dynamo": its weight cache is the freeze
-        if not hasattr(compiled, "converter"):   # compile_children: each child's own
-            for name in compiled.children:
-                freeze(model.get_submodule(name), sample_values=sample_values)
-            return model
-        if not compiled.converter.caches_weights:
+    record = compiled_record(model)
+    if record is not None:   # amp_compiler.compile / convert(inplace=True): its weight cache is the freeze
+        forwards = record.forwards(model)   # with those compiled with it (an encoder) or its children's
+        if not all(forward.converter.caches_weights for forward in forwards):
             raise TypeError("this model was compiled with weight_cache=False (or backend='inductor'): compile it "
                             "again with weight_cache=True to keep low weight copies")
-        compiled.converter.weight_cache.sample_values = sample_values
-        for path in compiled.nested:   # compiled with it (an encoder-decoder's encoder)
-            freeze(model.get_submodule(path), sample_values=sample_values)
+        for forward in forwards:
+            forward.converter.weight_cache.sample_values = sample_values
         return model
     graphs = _converted_graphs(model)
     if not graphs and not any(hasattr(m, HOLDER) for m in model.modules()):
@@ -371,7 +364,7 @@ def freeze_graph(gm: fx.GraphModule, sample_values: bool = True, *, training: bo
 
 def frozen_bytes(model: nn.Module) -> int:
     """Bytes the low-precision weight copies of `model`'s frozen graphs hold now."""
-    from amp_compiler.dynamo.compile import compiled_graphs   # the dynamo package imports this module
-    graphs = [gm for _, gm, _ in compiled_graphs(model)]   # outside the model's module tree
+    record = compiled_record(model)   # in place: its graphs lie outside the model's module tree
+    graphs = [gm for _, gm, _ in record.graphs(model)] if record is not None else []
     holders = {id(m): m for root in (model, *graphs) for m in root.modules() if isinstance(m, FrozenWeights)}
     return sum(m.nbytes() for m in holders.values())   # a holder shared by graphs counted once

@@ -52,7 +52,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 import amp_compiler
 from amp_compiler.dynamo.compile import compile_children
-from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.converted import compiled_record
 from amp_compiler.dynamo.fp8_histories import pop_history_keys
 from amp_compiler.dynamo.in_place import load_histories
 from amp_compiler.train.loss_scale import LossScaleManager
@@ -91,7 +91,7 @@ class AmpTraining:
 
     # -- conversion ------------------------------------------------------------------------------------------
     def convert(self, module: nn.Module) -> nn.Module:
-        if compiled_state(module) is None:   # a second fit() on the same model keeps its conversion
+        if compiled_record(module) is None:   # a second fit() on the same model keeps its conversion
             options = dict(self.convert_options)
             if _is_lightning_module(module):
                 # training_step calls the children, never the LightningModule's forward: each child is compiled
@@ -143,7 +143,7 @@ class AmpTraining:
                 "or depends on state the replay does not restore)")
 
     def write_report(self) -> None:
-        if self.report_html and self.model is not None and compiled_state(self.model) is not None \
+        if self.report_html and self.model is not None and compiled_record(self.model) is not None \
                 and rank_zero_only.rank == 0:
             amp_compiler.render(self.model, self.report_html)
 

@@ -103,8 +103,8 @@ def test_levels_leave_apex_dtypes_and_masters(level):
         assert own == [name.startswith("norm") for name in fp32]
     else:   # the optimizer steps the model's own parameters
         assert all(m is p for m, p in zip(masters, model.parameters()))
-    from amp_compiler.dynamo.compile import compiled_state
-    assert (compiled_state(model) is None) == (level == "O0")
+    from amp_compiler.converted import compiled_record
+    assert (compiled_record(model) is None) == (level == "O0")
 
 
 def test_o2_keep_batchnorm_fp32_false_casts_norms_and_their_statistics():

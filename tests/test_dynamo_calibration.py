@@ -8,7 +8,7 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler.dynamo import graphs
-from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.converted import compiled_record
 
 _SEEDED = torch.Generator().manual_seed(0)
 SAMPLES = [(torch.randn(4, 16, generator=_SEEDED),), (torch.randn(4, 16, generator=_SEEDED) * 3e4,)]   # 2nd: past fp16
@@ -38,7 +38,7 @@ def test_the_graphs_the_samples_make_keep_what_overflows_fp32_as_convert_does():
     whole = amp_compiler.convert(mlp(), "O1", dtype=torch.float16, calibration_data=SAMPLES)
     model, fp32 = mlp(), mlp()
     calibrated(model)
-    assert compiled_state(model) is not None and len(graphs(model)) == 1   # made by the samples, before any call
+    assert compiled_record(model) is not None and len(graphs(model)) == 1   # made by the samples, before any call
     x = SAMPLES[1][0]   # values the calibration saw
     with torch.no_grad():
         out, expected = model(x), fp32(x)
@@ -98,7 +98,7 @@ def test_samples_change_no_buffer_and_a_failing_sample_leaves_the_model_as_it_wa
     fresh = mlp()
     with pytest.raises(ValueError, match="calibration_data sample 0: the model fails on it"):
         calibrated(fresh, [(torch.randn(4, 5),)])
-    assert compiled_state(fresh) is None and "forward" not in fresh.__dict__
+    assert compiled_record(fresh) is None and "forward" not in fresh.__dict__
 
 
 def test_a_deepcopy_of_a_calibrated_model_calibrates_its_own_graphs():

@@ -15,7 +15,7 @@ from transformers import (BertConfig, BertForSequenceClassification, Trainer, Tr
 
 import amp_compiler
 from amp_compiler.huggingface import AmpCallback, AmpTrainer
-from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.converted import compiled_record
 from amp_testing import ProfiledDtypes
 
 pytestmark = pytest.mark.real_models
@@ -102,7 +102,7 @@ def test_bf16_trains_like_fp32_with_matmuls_low_and_saves_a_plain_model(tmp_path
     assert inspect.signature(model.forward) == inspect.signature(BertForSequenceClassification.forward.__get__(model))
     assert record.recorder.input_dtypes(*LOW_OPS) == {torch.bfloat16}
     assert record.recorder.input_dtypes(*FP32_OPS) == {torch.float32}
-    assert compiled_state(model) is not None and compiled_state(model).converter.graphs   # graphs, no fallback
+    assert compiled_record(model) is not None and compiled_record(model).converter.graphs   # graphs, no fallback
     ours, theirs = weights(model), weights(reference.model)
     update = torch.cat([(theirs[k] - start[k]).flatten() for k in start])
     difference = torch.cat([(ours[k] - theirs[k]).flatten() for k in start])
@@ -170,6 +170,6 @@ def test_the_callback_refuses_fp16_and_names_amp_trainer():
 
 def test_a_model_init_model_is_converted_when_the_trainer_builds_it(tmp_path):
     trainer = AmpTrainer(model_init=lambda: tiny_bert(), args=arguments(tmp_path), amp_dtype=torch.float16)
-    conversion = compiled_state(trainer.model)
+    conversion = compiled_record(trainer.model)
     assert conversion is not None and conversion.config.low_dtype == torch.float16
     assert isinstance(trainer.accelerator.scaler, amp_compiler.GradScaler)

@@ -18,7 +18,7 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler.dynamo import graphs
-from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.converted import compiled_record
 from amp_compiler.passes.node_facts import facts
 from amp_testing import ProfiledDtypes
 from models import ZOO_NAMES, build
@@ -225,7 +225,7 @@ def test_restore_gives_back_the_original_forwards():
     assert amp_compiler.restore(model) is model
     assert torch.equal(model(x, Opaque(1.0)), expected)
     assert all("forward" not in m.__dict__ for m in model.modules())
-    assert compiled_state(model) is None and graphs(model) == []
+    assert compiled_record(model) is None and graphs(model) == []
     with pytest.raises(TypeError, match="inplace=True"):
         amp_compiler.restore(model)
 
@@ -235,7 +235,7 @@ def test_converting_twice_and_dynamic_shapes_are_refused():
     with pytest.raises(ValueError, match="already converted in place \\(level O1\\); call amp_compiler.restore"):
         amp_compiler.convert(model, "O2", inplace=True)   # would silently replace the first conversion
     amp_compiler.restore(model)
-    assert "forward" not in model.__dict__ and compiled_state(model) is None
+    assert "forward" not in model.__dict__ and compiled_record(model) is None
     assert amp_compiler.convert(model, "O2", inplace=True) is model   # after restore: converted again
     with pytest.raises(ValueError, match="dynamic_shapes"):
         amp_compiler.convert(Block(), "O1", inplace=True, dynamic_shapes={"x": {0: "batch"}})

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 import amp_compiler
 from amp_compiler.dynamo import graphs
 from amp_compiler.dynamo.backend import RecompileLimitWarning
-from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.converted import compiled_record
 from amp_compiler.passes.node_facts import facts
 
 BF16 = torch.bfloat16
@@ -48,7 +48,7 @@ def matmul_precisions(model) -> dict[str, set]:
 def runs_low(model, *modules: str) -> bool:
     """Every matmul of `modules` (all of the model's when none is named) was converted low in every graph dynamo
     made, and no graph fell back to autocast (nor the model, for want of a graph)."""
-    state = compiled_state(model)
+    state = compiled_record(model)
     if state.converter.fallbacks or state.not_captured is not None:
         return False
     found = matmul_precisions(model)

@@ -22,7 +22,7 @@ from functorch.compile import make_boxed_func
 
 import amp_compiler
 from amp_compiler.dynamo import graphs
-from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.converted import compiled_record
 from amp_compiler.passes.node_facts import facts
 from amp_testing import ProfiledDtypes
 from models.transformer import TransformerBlock
@@ -77,7 +77,7 @@ def assert_no_matmul_handed_to(backend: RecordingBackend):
 
 def assert_converted_low(model, expected: int):
     """The conversion's graphs hold `expected` matmuls or more, every one low, and none fell back to autocast."""
-    state = compiled_state(model)
+    state = compiled_record(model)
     assert not state.converter.fallbacks and state.not_captured is None, (state.converter.fallbacks,
                                                                           state.not_captured)
     precisions = [facts(n).get("precision") for gm in graphs(model) for n in gm.graph.nodes

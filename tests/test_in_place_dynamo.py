@@ -8,7 +8,7 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler.dynamo import graphs
-from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.converted import compiled_record
 from amp_compiler.passes.node_facts import facts
 from test_dynamo_capture import CustomGeluMlp, DataDependent, LastLogits, tiny_llama
 
@@ -112,14 +112,14 @@ def test_in_place_is_on_dynamo_by_default_whatever_the_request():
     model, x = CustomGeluMlp(), torch.randn(3, 16)
     assert amp_compiler.convert(model, "O1", inplace=True, dtype=torch.bfloat16) is model
     model(x)
-    assert compiled_state(model) is not None
+    assert compiled_record(model) is not None
     assert "front end torch.dynamo" in str(amp_compiler.explain(model))
     # what took the parts before: calibration (test_dynamo_calibration), fp8 delayed histories (test_fp8_integrations)
     calibrated = amp_compiler.convert(CustomGeluMlp(), "O1", inplace=True, calibration_data=[(x,)])
     delayed = amp_compiler.convert(CustomGeluMlp(), "fp8", inplace=True, fp8_scaling="delayed", fp8_min_dim=16)
     delayed(x)
     for converted in (calibrated, delayed):
-        assert compiled_state(converted) is not None and graphs(converted)
+        assert compiled_record(converted) is not None and graphs(converted)
 
 
 def test_a_deepcopy_and_a_torch_save_of_a_converted_model_run_their_own_weights():

@@ -26,7 +26,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import amp_compiler
 from amp_compiler.dynamo import graphs
-from amp_compiler.dynamo.compile import compiled_graphs, compiled_state
+from amp_compiler.converted import compiled_record
+from amp_compiler.dynamo.compile import compiled_graphs
 from amp_compiler.passes.node_facts import facts
 from amp_testing import ProfiledDtypes, assert_close_to_fp32, one_torch_thread
 
@@ -239,7 +240,7 @@ def test_class_methods_config_signature_state_dict_and_checkpoints_stay_hugging_
 
     model.save_pretrained(tmp_path)   # a plain Hugging Face checkpoint: an unconverted model loads it
     loaded = cls.from_pretrained(tmp_path)
-    assert compiled_state(loaded) is None and type(loaded.forward).__name__ == "method"
+    assert compiled_record(loaded) is None and type(loaded.forward).__name__ == "method"
     assert_same_state(state(loaded), before)
 
     other = build(name, seed=1)   # an unconverted checkpoint loads into the converted model ...
@@ -282,7 +283,7 @@ def test_example_inputs_capture_at_conversion():
 def test_restore_gives_back_the_fp32_model(name):
     fp32_model, model = build(name), converted(name, "O1")
     generate(model)
-    assert amp_compiler.restore(model) is model and compiled_state(model) is None
+    assert amp_compiler.restore(model) is model and compiled_record(model) is None
     assert not [path for path, module in model.named_modules() if "forward" in module.__dict__]
     for sampling in (False, True):
         expected, ours = generate(fp32_model, sampling), generate(model, sampling)

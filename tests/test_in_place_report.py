@@ -15,7 +15,7 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler.dynamo import graphs
-from amp_compiler.dynamo.compile import compiled_state
+from amp_compiler.converted import compiled_record
 from amp_compiler.dynamo.report import NOT_CALLED, running_as_written
 from amp_compiler.passes.node_facts import facts
 
@@ -192,7 +192,7 @@ def test_running_as_written_is_the_fp32_model_and_puts_the_compilation_back():
     model = TakesObject()
     reference = copy.deepcopy(model)
     converted(model, x, State(1.0))
-    forward = compiled_state(model)
+    forward = compiled_record(model)
     with running_as_written(model):
         assert torch.equal(model(x, State(1.0)), reference(x, State(1.0)))
     assert model.__dict__["forward"] is forward

@@ -13,7 +13,8 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler.dynamo import graphs as dynamo_graphs
-from amp_compiler.dynamo.compile import compile_children, compiled_state
+from amp_compiler.converted import compiled_record
+from amp_compiler.dynamo.compile import compile_children
 from amp_compiler.insight.graph_decisions import module_of
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.train import overflow_report
@@ -132,7 +133,7 @@ def snapshot(model):
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     graphs = _graph_modules(model)
     forwards = [(id(gm), "forward" in gm.__dict__, gm.__dict__.get("forward")) for gm in graphs]
-    compiled = [(path, compiled_state(m), m.__dict__.get("forward")) for path, m in model.named_modules()]
+    compiled = [(path, compiled_record(m), m.__dict__.get("forward")) for path, m in model.named_modules()]
     return grads, forwards, compiled
 
 
@@ -271,7 +272,7 @@ def test_a_module_run_as_written_is_named_at_module_granularity():
     model = children_compiled(Branchy("module"))
     x = inputs()
     replay_of(model, x)()
-    assert compiled_state(model.amplify) is None and dynamo_graphs(model.pre) and dynamo_graphs(model.post)
+    assert compiled_record(model.amplify) is None and dynamo_graphs(model.pre) and dynamo_graphs(model.post)
     with torch.no_grad():   # independently: pre's output is finite, Amplify's is not
         assert torch.isfinite(model.pre(x)).all() and not torch.isfinite(model.amplify(model.pre(x))).all()
     report = locate_overflow(model, replay_of(model, x))

@@ -17,13 +17,15 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from amp_compiler.config import make_config, with_model_lists
+from amp_compiler.converted import COMPILED_ATTRIBUTE, compiled_record
 from amp_compiler.dynamo.bodies import trace_checkpoint_sequential
 from amp_compiler.dynamo.calibration import GraphCalls, run_samples
 from amp_compiler.dynamo.effects import undone_effects
 from amp_compiler.dynamo.fp8_histories import Fp8HistoryStore
+from amp_compiler.dynamo.report import compare_compiled, explain_compiled, verify_compiled
 from amp_compiler.dynamo.backend import RECOMPILE_LIMIT, amp_backend, forget_graphs, graphs, level_autocast
 
-ATTRIBUTE = "_amp_compiled"   # on the user's model: its CompiledForward (also its `forward`)
+ATTRIBUTE = COMPILED_ATTRIBUTE   # on the user's model: its CompiledForward (also its `forward`)
 
 
 def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", dynamic=None,  # noqa: A001
@@ -93,6 +95,30 @@ class CompiledForward:
 
     def __call__(self, *args, **kwargs):
         return _run(self, args, kwargs)
+
+    runs_a_forward = True   # the model's forward is this record (CompiledChildren: its children's are)
+
+    def graphs(self, model: nn.Module) -> list[tuple[str, object, CompiledForward]]:
+        """(the module path, the graph, its CompiledForward) of every graph made so far, those of a submodule
+        compiled with the model (its encoder) under its path."""
+        return [("", gm, self) for gm in graphs(model)] + [
+            (f"{path}.{inner}" if inner else path, gm, forward) for path in self.nested
+            for inner, gm, forward in compiled_record(model.get_submodule(path)).graphs(model.get_submodule(path))]
+
+    def forwards(self, model: nn.Module) -> list[CompiledForward]:
+        """This record and those of the submodules compiled with it."""
+        return [self, *(forward for path in self.nested
+                        for forward in compiled_record(model.get_submodule(path)).forwards(model.get_submodule(path)))]
+
+    # The tools' entry points: a compiled model's graphs exist only once it is called, so it reports itself
+    def explain(self, model: nn.Module):
+        return explain_compiled(model, self)
+
+    def verify(self, model: nn.Module, inputs: tuple, kwargs: dict) -> None:
+        verify_compiled(model, inputs, kwargs)
+
+    def compare(self, reference: nn.Module, model: nn.Module, inputs: tuple, rtol: float | None):
+        return compare_compiled(reference, model, inputs, rtol)
 
     def __reduce__(self):   # copy.deepcopy / pickle: rebuilt for the copied model, graphs and caches not shared
         return CompiledForward, (self.model, self.config, self.own_forward, self.options, self.calibration), \
@@ -310,6 +336,21 @@ class CompiledChildren:
     config: object
     children: list   # the paths of the compiled submodules (direct children for compile_children)
     note: str = ""   # why, for explain()
+    runs_a_forward = False
+
+    def graphs(self, model: nn.Module) -> list:
+        return [(f"{name}.{path}" if path else name, gm, forward) for name, child, record in self._compiled(model)
+                for path, gm, forward in record.graphs(child)]
+
+    def forwards(self, model: nn.Module) -> list[CompiledForward]:
+        return [forward for _, child, record in self._compiled(model) for forward in record.forwards(child)]
+
+    def _compiled(self, model: nn.Module) -> list:
+        """(path, child, its record) of the children still compiled (a user may restore one)."""
+        children = [(name, model.get_submodule(name)) for name in self.children]
+        return [(name, child, compiled_record(child)) for name, child in children if compiled_record(child) is not None]
+
+    explain, verify, compare = CompiledForward.explain, CompiledForward.verify, CompiledForward.compare
 
 
 def compile_children(module: nn.Module, level: str = "O1", **options) -> nn.Module:
@@ -321,34 +362,23 @@ def compile_children(module: nn.Module, level: str = "O1", **options) -> nn.Modu
                          "by one and it has no compiled forward to run them through; convert the child its "
                          "training_step calls first (convert(module.model, level, inplace=True, calibration_data="
                          "its samples)), which this keeps")
-    if compiled_state(module) is not None:
+    if compiled_record(module) is not None:
         restore_compiled(module)
     config = with_model_lists(make_config(level, **{k: v for k, v in options.items()
                                                     if k not in ("backend", "dynamic", "weight_cache")}), module)
     names = [name for name, child in module.named_children() if any(True for _ in child.parameters())]
     for name in names:
-        if compiled_state(getattr(module, name)) is None:   # a child converted already keeps its conversion
+        if compiled_record(getattr(module, name)) is None:   # a child converted already keeps its conversion
             compile(getattr(module, name), level, **options)
     module.__dict__[ATTRIBUTE] = CompiledChildren(config, names)
     return module
 
 
-def compiled_state(model) -> CompiledForward | CompiledChildren | None:
-    return model.__dict__.get(ATTRIBUTE) if isinstance(model, nn.Module) else None
-
-
 def compiled_graphs(model: nn.Module) -> list[tuple[str, object, object]]:
     """(the module path the graph's paths are relative to, the graph, its CompiledForward) for every graph of a
-    compiled model, or of its compiled children."""
-    state = compiled_state(model)
-    if isinstance(state, CompiledChildren):
-        return [(name if not path else f"{name}.{path}", gm, forward) for name in state.children
-                for path, gm, forward in compiled_graphs(model.get_submodule(name))]
-    if isinstance(state, CompiledForward):   # and a submodule compiled with it (its encoder), under its path
-        return [("", gm, state) for gm in graphs(model)] + [
-            (f"{path}.{inner}" if inner else path, gm, forward) for path in state.nested
-            for inner, gm, forward in compiled_graphs(model.get_submodule(path))]
-    return []
+    compiled model, or of its compiled children; [] for a model not compiled."""
+    record = compiled_record(model)
+    return record.graphs(model) if record is not None else []
 
 
 def restore_compiled(model: nn.Module) -> nn.Module:
@@ -358,7 +388,7 @@ def restore_compiled(model: nn.Module) -> nn.Module:
     if isinstance(state, CompiledChildren):
         for name in state.children:
             child = model.get_submodule(name)
-            if compiled_state(child) is not None:
+            if compiled_record(child) is not None:
                 restore_compiled(child)
         return model
     model.__dict__.pop("forward", None)
@@ -369,7 +399,7 @@ def restore_compiled(model: nn.Module) -> nn.Module:
         handle.remove()
     for path in state.nested:
         nested = model.get_submodule(path)
-        if compiled_state(nested) is not None:
+        if compiled_record(nested) is not None:
             restore_compiled(nested)
     if state.own_forward is not None:
         model.__dict__["forward"] = state.own_forward
@@ -382,7 +412,7 @@ def history_stores(model: nn.Module) -> list[tuple[str, Fp8HistoryStore]]:
     [] for any other model."""
     if not isinstance(model, nn.Module):
         return []
-    state = compiled_state(model)
+    state = compiled_record(model)
     if isinstance(state, CompiledChildren):
         return [(f"{path}.{prefix}", store) for path in state.children
                 for prefix, store in history_stores(model.get_submodule(path))]

@@ -12,7 +12,8 @@ from torch import nn
 
 import warnings
 
-from amp_compiler.dynamo.compile import compiled_state, history_stores, restore_compiled
+from amp_compiler.converted import compiled_record
+from amp_compiler.dynamo.compile import history_stores, restore_compiled
 from amp_compiler.dynamo.effects import undone_effects
 from amp_compiler.dynamo.fp8_histories import HISTORIES
 from amp_compiler.frontend.capture import refuse_low_parameters
@@ -24,7 +25,7 @@ def refuse_in_place_request(model, example_inputs) -> None:
     low-precision parameters (refuse_low_parameters says why)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() needs a torch.nn.Module, got {type(model).__name__}")
-    if (state := compiled_state(model)) is not None:
+    if (state := compiled_record(model)) is not None:
         raise ValueError(f"{type(model).__name__} is already converted in place (level {state.config.level}); call "
                          "amp_compiler.restore(model) first to convert it again with other options")
     if example_inputs is not None and not isinstance(example_inputs, tuple):
@@ -67,7 +68,7 @@ def load_histories(model: nn.Module, histories: dict | None) -> None:
 def restore(model: nn.Module) -> nn.Module:
     """Undo convert(model, inplace=True) or amp_compiler.compile(model): the model's own forward back, its graphs
     dropped (and, at fp8 delayed scaling, its amax histories' state_dict keys)."""
-    if compiled_state(model) is None:
+    if compiled_record(model) is None:
         raise TypeError("restore() takes a model converted with convert(model, inplace=True) or compiled by "
                         f"amp_compiler.compile; {type(model).__name__} is not")
     return restore_compiled(model)

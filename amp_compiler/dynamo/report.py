@@ -13,18 +13,20 @@ import dataclasses
 
 from torch import nn
 
-from amp_compiler.dynamo.compile import CompiledForward, compiled_graphs, compiled_state
-from amp_compiler.insight.report import PrecisionReport, _totals, add_calibration, explain
+from amp_compiler.converted import compiled_record, converted_graphs
+from amp_compiler.insight import compare as cmp
+from amp_compiler.insight.report import PrecisionReport, add_calibration, explain, node_totals
+from amp_compiler.insight.verify import DtypeMismatch, verify
 
 NOT_CALLED = "not called yet: dynamo captures graphs on the model's calls, so there is nothing to report"
 
 
-def explain_compiled(model, state) -> PrecisionReport:
+def explain_compiled(model, record) -> PrecisionReport:
     """One report of every graph of a compiled model (or of its compiled children: their paths prefixed)."""
-    config = state.config
+    config = record.config
     rows, islands, casts, warnings, notes, pass_counts = [], [], 0, [], [], {}
     made = []
-    for index, (prefix, gm, _) in enumerate(compiled_graphs(model), 1):
+    for index, (prefix, gm) in enumerate(converted_graphs(model), 1):
         report = explain(gm)
         rows += [{**row, "module": _joined(prefix, row["module"])} for row in report.rows]
         islands += [{**island, "module": _joined(prefix, island["module"])} for island in report.islands]
@@ -33,11 +35,12 @@ def explain_compiled(model, state) -> PrecisionReport:
         notes.append(graph_line(index, gm, prefix))
         add_calibration(pass_counts, report.summary.get("pass_counts", {}).get("calibrate_ranges"))
         made.append(gm)
-    notes += [state.note] if getattr(state, "note", "") else []
-    fallbacks = [reason for forward in _forwards(model, state) for reason in forward.converter.fallbacks]
+    notes += [record.note] if getattr(record, "note", "") else []
+    forwards = record.forwards(model)
+    fallbacks = [reason for forward in forwards for reason in forward.converter.fallbacks]
     notes += [f"fallback: {reason}" for reason in dict.fromkeys(fallbacks)]
-    notes += [f"fallback: {forward.not_captured}" for forward in _forwards(model, state) if forward.not_captured]
-    notes += list(dict.fromkeys(f"calibration: {why}" for forward in _forwards(model, state)   # shared calls
+    notes += [f"fallback: {forward.not_captured}" for forward in forwards if forward.not_captured]
+    notes += list(dict.fromkeys(f"calibration: {why}" for forward in forwards   # shared calls
                                 if forward.calibration is not None for why in forward.calibration.uncalibrated))
     recompiles = sum(1 for gm in made if not _compile_id(gm).endswith("/0"))
     breaks = sum(1 for gm in made if gm.meta["amp"].get("dynamo", {}).get("graph_break"))
@@ -48,7 +51,7 @@ def explain_compiled(model, state) -> PrecisionReport:
                "opaque": {}, "hooks": {}, "training_reads": {},
                "casts": casts, "pass_counts": pass_counts, "in_place": True,
                "devices": made[0].meta["amp"].get("devices") if made else None}
-    return PrecisionReport(rows, _totals(rows, casts), summary, islands, warnings=warnings)
+    return PrecisionReport(rows, node_totals(rows, casts), summary, islands, warnings=warnings)
 
 
 def _joined(prefix: str, path: str) -> str:
@@ -71,22 +74,13 @@ def _compile_id(gm) -> str:
     return gm.meta["amp"].get("dynamo", {}).get("compile_id") or "0/0"
 
 
-def _forwards(model, state) -> list:
-    """The CompiledForward(s) of a compiled model, or of its compiled children."""
-    if isinstance(state, CompiledForward):   # and those compiled with it (an encoder-decoder's encoder)
-        return [state, *(compiled_state(model.get_submodule(path)) for path in state.nested)]
-    children = [compiled_state(model.get_submodule(name)) for name in state.children]
-    return [child for child in children if isinstance(child, CompiledForward)]
-
-
 def verify_compiled(model, inputs: tuple, kwargs: dict) -> None:
     """amp_compiler.verify(model, *inputs) on a model on dynamo's capture: one call captures what the inputs need,
     a second checks every graph (its nodes' dtypes against the recorded ones) on the tensors it receives. A
     mismatch raises after that call, naming the graph. Graphs run by inductor are not fx code: refused."""
     import torch
 
-    from amp_compiler.insight.verify import DtypeMismatch, verify
-    forwards = _forwards(model, compiled_state(model))
+    forwards = compiled_record(model).forwards(model)
     if any(forward.options["backend"] != "eager" for forward in forwards):
         raise ValueError("verify() checks graphs run as fx code; this model's graphs run as inductor kernels: "
                          "verify a convert(model, inplace=True, capture='dynamo') copy instead")
@@ -101,8 +95,8 @@ def verify_compiled(model, inputs: tuple, kwargs: dict) -> None:
 
     with torch.no_grad():
         model(*inputs, **kwargs)
-        made = compiled_graphs(model)
-        handles = [gm.register_forward_pre_hook(lambda gm, args: check(gm, args)) for _, gm, _ in made]
+        made = converted_graphs(model)
+        handles = [gm.register_forward_pre_hook(lambda gm, args: check(gm, args)) for _, gm in made]
         try:
             model(*inputs, **kwargs)
         finally:
@@ -110,7 +104,7 @@ def verify_compiled(model, inputs: tuple, kwargs: dict) -> None:
                 handle.remove()
     if failures:
         gm, error = failures[0]
-        index = next(i for i, (_, made_gm, _) in enumerate(made, 1) if made_gm is gm)
+        index = next(i for i, (_, made_gm) in enumerate(made, 1) if made_gm is gm)
         raise type(error)(f"{graph_line(index, gm)}: {error}") from error
 
 
@@ -122,15 +116,14 @@ def compare_compiled(reference: nn.Module, model: nn.Module, inputs: tuple, rtol
     break receives what the converted code before it computed: its nodes carry their own error, not that before."""
     import torch
 
-    from amp_compiler.insight import compare as cmp
-    forwards = _forwards(model, compiled_state(model))
+    forwards = compiled_record(model).forwards(model)
     if any(forward.options["backend"] != "eager" for forward in forwards):
         raise ValueError("compare() replays graphs run as fx code; this model's graphs run as inductor kernels: "
                          "compare a convert(model, inplace=True) copy instead")
     calls = []
     with cmp._eval_mode(reference, model), torch.no_grad():
         cmp._run_model(model, inputs)   # captures the graphs these inputs need (eval, no grad are guarded)
-        made = [gm for _, gm, _ in compiled_graphs(model)]
+        made = [gm for _, gm in converted_graphs(model)]
         handles = [gm.register_forward_pre_hook(
             lambda gm, args: calls.append((gm, tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a
                                                       for a in args)))) for gm in made]
@@ -163,7 +156,6 @@ def compare_compiled(reference: nn.Module, model: nn.Module, inputs: tuple, rtol
 
 def _graph_errors(index: int, gm, args: tuple, low: str, rtol: float) -> dict:
     """{node: NodeError} of one graph call, each node named with its graph ("graph 2: linear_1")."""
-    from amp_compiler.insight import compare as cmp
     low_values, _ = cmp._run(gm, args, fp32=False)
     fp32_values, _ = cmp._run(gm, args, fp32=True, scales=cmp.fp8_scales(gm, low_values))
     return {node: dataclasses.replace(cmp._node_error(node, low_values[node], fp32_values[node], low, rtol),
@@ -175,7 +167,7 @@ def _graph_errors(index: int, gm, args: tuple, low: str, rtol: float) -> dict:
 def running_as_written(model: nn.Module | None):
     """Every compiled module of `model` runs its own forward (no dynamo) inside the block; compiled again after."""
     compiled = [(module, module.__dict__["forward"]) for module in (model.modules() if model is not None else ())
-                if isinstance(compiled_state(module), CompiledForward)]
+                if getattr(compiled_record(module), "runs_a_forward", False)]
     for module, forward in compiled:
         if forward.own_forward is not None:
             module.__dict__["forward"] = forward.own_forward

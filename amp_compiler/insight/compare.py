@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from amp_compiler.converted import compiled_record
 from amp_compiler.frozen import packed_frozen_linear
 from amp_compiler.insight.graph_decisions import graph_summary, is_cast, module_of
 from amp_compiler.passes.fx import fp8_runtime as fp8
@@ -141,10 +142,8 @@ def compare(model: nn.Module, gm: fx.GraphModule, inputs, *, rtol: float | None 
     """Run `model` in fp32 and `gm` (its conversion) on `inputs`; the error of every node, worst first,
     the first node past `rtol` (relative to the node's value scale; default 1e-2 fp16, 5e-2 bf16, FP8_RTOL
     when the graph runs float8 matmuls: default_rtol) and the chain of nodes that leads to it."""
-    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
-    if compiled_state(gm) is not None:   # in place: each graph a call runs
-        from amp_compiler.dynamo.report import compare_compiled
-        return compare_compiled(model, gm, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), rtol)
+    if (record := compiled_record(gm)) is not None:   # in place: each graph a call runs
+        return record.compare(model, gm, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), rtol)
     if not isinstance(gm, fx.GraphModule):
         raise ValueError("compare() takes the GraphModule convert() returned; for a model run as written "
                          "(its children converted), compare each child with the inputs it receives")

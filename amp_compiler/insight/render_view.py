@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from amp_compiler.converted import converted_graphs
 from amp_compiler.insight.graph_decisions import computed_dtype, fp32_islands, graph_summary, module_of, precision_of
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.policy.numerics import dtype_name
@@ -37,12 +38,7 @@ def fx_view(module, title: str | None = None) -> dict:
     rules, modules = Interned(), Interned()
     view = {"title": title or type(module).__name__.removesuffix("Amp"), "summary": report.summary_lines(),
             "subtitle": f"{summary['level']} {summary['dtype']}", "nodes": [], "islands": []}
-    graphs = [(name, module.get_submodule(name)) for name in summary["children"]] \
-        if "children" in summary else [("", module)]
-    from amp_compiler.dynamo.compile import compiled_graphs, compiled_state   # the dynamo package imports this module
-    if compiled_state(module) is not None:   # in place / amp_compiler.compile: every graph made so far (none before
-        graphs = [(prefix, gm) for prefix, gm, _ in compiled_graphs(module)]   # a call), paths the user's already
-    for prefix, gm in graphs:
+    for prefix, gm in converted_graphs(module):   # in place: every graph made so far (none before a call)
         _add_graph(view, gm, graph_summary(gm)["dtype"], prefix, rules, modules)
     view["rules"], view["modules"] = list(rules), list(modules)
     return view

@@ -27,7 +27,8 @@ from torch import nn
 from amp_compiler.insight.graph_decisions import (computed_dtype, fp32_islands, graph_summary, is_cast, is_shown,
                                           module_of, precision_of)
 from amp_compiler.frontend.hooks import hook_lines
-from amp_compiler.frontend.training_reads import as_written_copy, training_lines
+from amp_compiler.converted import ConvertedGraph, compiled_record, converted_graphs, is_converted
+from amp_compiler.frontend.training_reads import training_lines
 from amp_compiler.insight.report_diff import PrecisionDiff, diff_reports
 from amp_compiler.insight.report_text import WIDTH, module_table, summarise_paths, wrapped
 from amp_compiler.passes.node_facts import facts
@@ -105,13 +106,10 @@ def explain(gm, other=None, *, only: str | None = None, module: str | None = Non
     if other is not None:
         return diff(gm, other)
     wrapper, gm = gm, converted_model_in(gm)
-    if (compiled := compiled_state(gm)) is not None:   # in place / amp_compiler.compile: dynamo's graphs, merged
-        from amp_compiler.dynamo.report import explain_compiled
-        report = explain_compiled(gm, compiled)
-    elif "children" in (summary := graph_summary(gm)):
-        report = _explain_children(gm)
+    if (record := compiled_record(gm)) is not None:   # in place: its graphs made so far, with dynamo's facts
+        report = record.explain(gm)
     else:
-        report = _explain_graph(gm, summary)
+        report = _explain_graphs(gm, graph_summary(gm), converted_graphs(gm))
     if wrapper is not gm:
         report.warnings += adapters_not_run(gm)
     filters = {k: v for k, v in (("only", only), ("module", module), ("op", op)) if v is not None}
@@ -122,18 +120,11 @@ def explain(gm, other=None, *, only: str | None = None, module: str | None = Non
     return report
 
 
-def compiled_state(module):
-    """amp_compiler.compile's record on a model, or None (imported here: the dynamo package imports this one)."""
-    from amp_compiler.dynamo.compile import compiled_state as state
-    return state(module)
-
-
 def converted_model_in(module):
     """The converted model a wrapper holds: peft's PeftModel keeps it at base_model.model (LoraModel's `model`),
     whether it was converted in place or convert() returned it before get_peft_model; `module` itself otherwise."""
     for _ in range(4):   # PeftModel -> LoraModel -> the model
-        if not isinstance(module, nn.Module) or compiled_state(module) is not None or \
-                isinstance(module, fx.GraphModule) or "amp" in (module.__dict__.get("meta") or {}):
+        if not isinstance(module, nn.Module) or is_converted(module) or isinstance(module, fx.GraphModule):
             return module
         inner = getattr(module.__dict__.get("_modules", {}).get("base_model"), "model", None)
         if not isinstance(inner, nn.Module):
@@ -173,7 +164,7 @@ def _explain_graph(gm: fx.GraphModule, summary: dict) -> PrecisionReport:
     islands = [island.to_dict() for island in fp32_islands(gm)]
     casts = sum(1 for node in gm.graph.nodes if is_cast(node))
     warnings = [facts(node)["warning"] for node in gm.graph.nodes if "warning" in facts(node)]
-    return PrecisionReport(rows, _totals(rows, casts), dict(summary), islands, warnings=warnings)
+    return PrecisionReport(rows, node_totals(rows, casts), dict(summary), islands, warnings=warnings)
 
 
 def _devices(summary: dict) -> str:
@@ -182,7 +173,7 @@ def _devices(summary: dict) -> str:
     return f", device {', '.join(devices['devices'])} (from {devices['from']})" if devices else ""
 
 
-def _totals(rows: list[dict], casts: int) -> dict:
+def node_totals(rows: list[dict], casts: int) -> dict:
     painted = [r for r in rows if r["precision"] in ("low", "fp32")]
     unknown = list(dict.fromkeys(r["op"] for r in rows if r.get("family") == "unknown"))
     return {"nodes": len(painted), "nodes_per_dtype": dict(Counter(r["dtype"] for r in painted)),
@@ -191,19 +182,19 @@ def _totals(rows: list[dict], casts: int) -> dict:
             "range_kept": [r["node"] for r in rows if r["rule"].startswith("range:")]}   # calibration kept fp32
 
 
-def _explain_children(module) -> PrecisionReport:
-    """A model whose own forward runs as written: the reports of its converted children, one table (a graph
-    that runs so in its current train/eval mode: the children of the copy it runs, training_reads.py)."""
+def _explain_graphs(model, summary: dict, graphs: list[ConvertedGraph]) -> PrecisionReport:
+    """The report of a convert() result: its graph, or the graphs of its converted children in one table (a
+    model run as written), their module paths and warnings prefixed with the child's path."""
+    if [gm for _, gm in graphs] == [model]:
+        return _explain_graph(model, summary)
     rows, islands, casts, warnings = [], [], 0, []
-    summary = dict(module.meta["amp"])
-    module = as_written_copy(module) or module
-    for name in summary["children"]:
-        child = explain(module.get_submodule(name))
-        rows += [{**row, "module": f"{name}.{row['module']}" if row["module"] else name} for row in child.rows]
-        islands += [{**island, "module": f"{name}.{island['module']}".rstrip(".")} for island in child.islands]
+    for prefix, gm in graphs:
+        child = explain(gm)
+        rows += [{**row, "module": f"{prefix}.{row['module']}" if row["module"] else prefix} for row in child.rows]
+        islands += [{**island, "module": f"{prefix}.{island['module']}".rstrip(".")} for island in child.islands]
         casts += child.totals["casts"]
-        warnings += [f"{name}: {warning}" for warning in child.warnings]
-    return PrecisionReport(rows, _totals(rows, casts), summary, islands, warnings=warnings)
+        warnings += [f"{prefix}: {warning}" for warning in child.warnings]
+    return PrecisionReport(rows, node_totals(rows, casts), dict(summary), islands, warnings=warnings)
 
 
 def nothing_converted_lines(summary: dict, totals: dict) -> list[str]:

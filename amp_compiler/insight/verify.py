@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from amp_compiler.converted import compiled_record, converted_graphs
 from amp_compiler.insight.compare import describe_inputs, first_line
 from amp_compiler.passes.fx.infer_dtypes import value_dtype
 from amp_compiler.passes.policy.numerics import dtype_name
@@ -37,15 +38,14 @@ class _Checker(fx.Interpreter):
 
 def verify(gm: fx.GraphModule, *inputs, **kwargs) -> None:
     """Run `gm` on `inputs` and raise DtypeMismatch at the first node whose dtype is not the recorded one."""
-    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports this module
-    if compiled_state(gm) is not None:   # in place: every graph dynamo made, on what it receives
-        from amp_compiler.dynamo.report import verify_compiled
-        verify_compiled(gm, inputs, kwargs)
+    if (record := compiled_record(gm)) is not None:   # in place: every graph dynamo made, on what it receives
+        record.verify(gm, inputs, kwargs)
         return
-    if "amp" not in getattr(gm, "meta", {}):
+    graphs = converted_graphs(gm)
+    if not graphs:
         raise ValueError("verify() needs a GraphModule returned by amp_compiler.convert()")
-    if "children" in gm.meta["amp"]:   # the model's own forward runs as written: check each converted child
-        _verify_children(gm, inputs, kwargs)
+    if [graph for _, graph in graphs] != [gm]:   # the model's own forward runs as written: check each child
+        _verify_while_running(gm, [graph for _, graph in graphs], inputs, kwargs)
         return
     flat = inputs
     codegen = gm.graph._codegen
@@ -65,10 +65,10 @@ def verify(gm: fx.GraphModule, *inputs, **kwargs) -> None:
                          f"{type(error).__name__}: {first_line(error)}{hint}") from error
 
 
-def _verify_children(model, inputs, kwargs) -> None:
-    children = [model.get_submodule(name) for name in model.meta["amp"]["children"]]
-    handles = [child.register_forward_pre_hook(lambda module, args, kw: verify(module, *args, **kw),
-                                               with_kwargs=True) for child in children]
+def _verify_while_running(model, graphs: list, inputs, kwargs) -> None:
+    """Each converted graph checked on what it receives while `model` runs."""
+    handles = [gm.register_forward_pre_hook(lambda module, args, kw: verify(module, *args, **kw),
+                                            with_kwargs=True) for gm in graphs]
     try:
         with torch.no_grad():
             model(*inputs, **kwargs)

@@ -297,8 +297,8 @@ def _load_into_masters(module, state_dict, prefix, *rest) -> None:
 def low_weights(gm: fx.GraphModule, optimizer: torch.optim.Optimizer) -> LowWeights:
     """Store `gm`'s low-read weights low, with the optimizer's fp32 parameters as their masters (see above).
     Call it after building the optimizer and before wrapping gm in DistributedDataParallel."""
-    from amp_compiler.dynamo.compile import compiled_state   # the dynamo package imports train/
-    if isinstance(gm, nn.Module) and compiled_state(gm) is not None:
+    from amp_compiler.converted import compiled_record
+    if isinstance(gm, nn.Module) and compiled_record(gm) is not None:
         raise TypeError("low_weights() takes the GraphModule convert(model, level) returns; for a model converted "
                         "in place use amp_compiler.initialize(model, optimizer, opt_level='O2') (Apex's O2: "
                         "the model's weights low, fp32 masters in the optimizer)")

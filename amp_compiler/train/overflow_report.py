@@ -36,7 +36,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from amp_compiler.dynamo.compile import CompiledForward, compiled_state, history_stores
+from amp_compiler.converted import compiled_record
+from amp_compiler.dynamo.compile import CompiledForward, history_stores
 from amp_compiler.dynamo.backend import graphs as dynamo_graphs
 from amp_compiler.dynamo.effects import undone_effects   # buffers and amax histories back after the replay
 from amp_compiler.insight.graph_decisions import module_of
@@ -377,7 +378,7 @@ class _checks_installed:
             for prefix, compiled in _compiled_modules(self.model).items():
                 for gm in dynamo_graphs(compiled):
                     self._swap_forward(gm, prefix)
-                self._check_new_graphs(compiled_state(compiled).converter.watchers, prefix)
+                self._check_new_graphs(compiled_record(compiled).converter.watchers, prefix)
             self.module_checks = _ModuleChecks(self.model, self.finder)
             self.stack.callback(self.module_checks.remove)
             self.module_checks.install()
@@ -416,7 +417,7 @@ class _checks_installed:
 def _compiled_modules(model: nn.Module) -> dict:
     """{module path: module} of the modules in `model` whose forward TorchDynamo compiles for amp_compiler."""
     return {path: module for path, module in model.named_modules()
-            if isinstance(compiled_state(module), CompiledForward)}
+            if isinstance(compiled_record(module), CompiledForward)}
 
 
 def _graph_modules(model: nn.Module) -> list:
@@ -452,7 +453,7 @@ def _precision_of(model: nn.Module) -> str:
 def _low_dtype_name(model: nn.Module) -> str:
     compiled = list(_compiled_modules(model).values())
     if compiled:
-        name = str(compiled_state(compiled[0]).config.low_dtype).removeprefix("torch.")
+        name = str(compiled_record(compiled[0]).config.low_dtype).removeprefix("torch.")
     else:
         name = next((str(m.meta.get("amp", {}).get("dtype")) for m in model.modules()
                      if isinstance(m, fx.GraphModule) and "amp" in m.meta), "mixed-precision")
