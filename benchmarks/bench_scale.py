@@ -44,7 +44,8 @@ def timed_fx_pipeline(seconds: dict):
     """FX_PIPELINE with every pass timed into `seconds` (by pass name)."""
     import importlib
     convert_module = importlib.import_module("amp_compiler.convert")   # the package's `convert` is the function
-    pipeline = convert_module.FX_PIPELINE
+    pipelines = importlib.import_module("amp_compiler.passes.pipelines")
+    pipeline = pipelines.FX_PIPELINE
 
     def timed(step):
         def run(state):
@@ -55,7 +56,7 @@ def timed_fx_pipeline(seconds: dict):
                 seconds[step.name] += time.perf_counter() - start
         return dataclasses.replace(step, run=run)
 
-    convert_module.FX_PIPELINE = dataclasses.replace(pipeline, passes=tuple(timed(p) for p in pipeline.passes))
+    pipelines.FX_PIPELINE = dataclasses.replace(pipeline, passes=tuple(timed(p) for p in pipeline.passes))
     trace = convert_module.capture
 
     def timed_trace(*args, **kwargs):   # the front end (torch.export here): not our passes

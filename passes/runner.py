@@ -1,6 +1,6 @@
 """The pass runner for both IRs: a pipeline is a named list of passes that prints as it runs.
 
-    >>> print(FX_PIPELINE)        # amp_compiler/convert.py
+    >>> print(FX_PIPELINE)        # passes/pipelines.py, with every other pipeline
     fx pipeline:
       1. canonicalize
       2. propagate_values           only when the front end recorded no values
@@ -35,19 +35,36 @@ class PassResult:
 
 
 @dataclass(frozen=True)
+class Condition:
+    """When a pass runs: a test of the pipeline's state and the same in words. `a & b` holds where both do."""
+    holds: Callable[[Any], bool]
+    says: str
+
+    def __call__(self, state) -> bool:
+        return self.holds(state)
+
+    def __and__(self, other: Condition) -> Condition:
+        return Condition(lambda state: self.holds(state) and other.holds(state), f"{self.says}, {other.says}")
+
+
+@dataclass(frozen=True)
 class Pass:
     name: str
     run: Callable[[Any], PassResult]
-    when: Callable[[Any], bool] | None = None     # run only where this holds for the state
-    when_says: str = ""                           # that condition in words, for printing
+    when: Condition | None = None   # run only where this holds for the state
     reads: tuple[str, ...] = ()     # node facts it reads: an earlier pass, or the front end, writes each
     writes: tuple[str, ...] = ()    # node facts it adds, changes or removes (node_facts.py names the writers)
+    graph_writes: tuple[str, ...] = ()   # graph-level facts it records (graph.meta, a value's meta), for the reader
+    steps: tuple[str, ...] = ()     # what the pass composes, in order, printed under it (decide's hooks)
 
     def __str__(self) -> str:
-        return f"{self.name:<26} only {self.when_says}" if self.when_says else self.name
+        head = f"{self.name:<26} only {self.when.says}" if self.when is not None else self.name
+        return "\n".join([head, *(f"       - {step}" for step in self.steps)])
 
     def facts_line(self) -> str:
-        return f"{self.name:<26} reads {', '.join(self.reads) or '-'}; writes {', '.join(self.writes) or '-'}"
+        graph = f"; records {', '.join(self.graph_writes)}" if self.graph_writes else ""
+        return (f"{self.name:<26} reads {', '.join(self.reads) or '-'}; writes {', '.join(self.writes) or '-'}"
+                f"{graph}")
 
 
 _CHECKING = contextvars.ContextVar("amp_compiler_checking_passes", default=False)

@@ -15,7 +15,7 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler.config import make_config
-from amp_compiler.convert import compile_graph
+from amp_compiler.graph_conversion import compile_graph
 from amp_compiler.frontend import capture, share_module_tree
 from amp_compiler.frontend.fx_capture import AmpTracer
 from amp_compiler.onnx.export import prepare_for_inference

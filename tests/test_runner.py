@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import amp_compiler
-from amp_compiler.convert import FX_PIPELINE
-from amp_compiler.onnx.convert import ONNX_PIPELINE
-from amp_compiler.onnx.export import EXPORT_PIPELINE
+from amp_compiler.passes.pipelines import (EXPORT_PIPELINE, FX_PAINTING_HOOKS, FX_PIPELINE, ONNX_PIPELINE,
+                                          with_listings_updated)
 from amp_compiler.passes.node_facts import NodeFacts
 from amp_compiler.passes.runner import Pass, PassResult, Pipeline, checking_passes, count
 from amp_testing import LinearNormNet
@@ -47,7 +46,7 @@ def test_a_failing_pass_is_named_in_the_error(monkeypatch):
     def broken(gm):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(importlib.import_module("amp_compiler.convert"), "fold_casts", broken)
+    monkeypatch.setattr(importlib.import_module("amp_compiler.passes.pipelines"), "fold_casts", broken)
     with pytest.raises(RuntimeError, match="boom") as caught:
         amp_compiler.convert(LinearNormNet(), "O1", example_inputs=(torch.randn(2, 8),))
     assert "in pass 'fold_casts' of the fx pipeline" in _trace(caught.value)
@@ -82,7 +81,25 @@ def test_every_pass_keeps_the_invariants_on_fx_and_onnx(level, tmp_path):
 def test_passes_readme_shows_the_pipelines_as_printed():
     readme = (Path(__file__).resolve().parents[1] / "passes" / "README.md").read_text()
     for pipeline in (FX_PIPELINE, ONNX_PIPELINE, EXPORT_PIPELINE):
-        assert str(pipeline) in readme, f"passes/README.md: paste the printed {pipeline.name} pipeline again"
+        assert str(pipeline) in readme, f"passes/README.md lacks the {pipeline.name} pipeline's listing"
+    for doc in ("passes/README.md", "README.md"):   # the listings are generated: none is stale
+        text = (Path(__file__).resolve().parents[1] / doc).read_text()
+        assert with_listings_updated(text) == text, f"run: amp-compiler pipelines --update {doc}"
+
+
+def test_stale_listings_are_regenerated_and_others_left_alone():
+    stale = "```\nfx pipeline:\n  1. canonicalize\n```\n\n```\nsome other code\n```"
+    updated = with_listings_updated(stale)
+    assert str(FX_PIPELINE) in updated and "decide_precision" in updated and "some other code" in updated
+
+
+def test_decide_precision_prints_the_hooks_it_composes():
+    text = str(FX_PIPELINE)
+    lines = text.splitlines()
+    decide = next(i for i, line in enumerate(lines) if "decide_precision" in line)
+    assert lines[decide + 1].strip() == "- keep_upcasts_fp32" and "- place_casts (cast_placement)" in text
+    assert [hook.name for hook in FX_PAINTING_HOOKS] == [line.strip()[2:] for line in lines[decide + 1:]
+                                                        if line.strip().startswith("- ")]
 
 
 def _facts_pipeline(*passes, front_end=()):
@@ -156,3 +173,15 @@ def test_node_facts_names_the_passes_that_declare_each_fact():
     declared = _declared_writers()
     assert {f: documented[f] for f in documented} == {f: declared.get(f, set()) for f in documented}, \
         "passes/node_facts.py: the writers of each fact must be the passes whose Pass(writes=...) names it"
+
+
+def test_the_cli_prints_every_pipeline_and_updates_listings(capsys, tmp_path):
+    from amp_compiler.cli import main
+    assert main(["pipelines"]) == 0
+    printed = capsys.readouterr().out
+    assert all(str(p) in printed for p in (FX_PIPELINE, ONNX_PIPELINE, EXPORT_PIPELINE))
+    assert main(["pipelines", "--facts"]) == 0 and "reads op; writes dtype" in capsys.readouterr().out
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n```\nexport_onnx pipeline:\n  1. stale\n```\n")
+    assert main(["pipelines", "--update", str(doc)]) == 0
+    assert doc.read_text() == f"intro\n```\n{EXPORT_PIPELINE}\n```\n"

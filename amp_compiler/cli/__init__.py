@@ -1,4 +1,4 @@
-"""The `amp-compiler` command: demo, explain, compare, render, export, convert-onnx.
+"""The `amp-compiler` command: demo, explain, compare, render, pipelines, export, convert-onnx.
 
     amp-compiler demo [--model bert] [--dtype float16|bfloat16] [--steps 5] [--html graph.html]
     amp-compiler explain MODULE:FACTORY [--level O2] [--dtype bf16] [--only fp32] [--html out.html]

@@ -55,6 +55,14 @@ def add_insight_parsers(subparsers) -> None:
     _add_model(render, with_source=False)
     render.set_defaults(func=run_render)
 
+    pipelines = subparsers.add_parser("pipelines", help="print every pass of every pipeline, in order",
+                                      description="Print the fx, ONNX and export pipelines (passes/pipelines.py), "
+                                                  "each pass with its condition and decide_precision's hooks.")
+    pipelines.add_argument("--facts", action="store_true", help="what each pass reads and writes instead")
+    pipelines.add_argument("--update", nargs="+", metavar="FILE.md",
+                           help="rewrite the pipeline listings (fenced blocks) in these Markdown files")
+    pipelines.set_defaults(func=run_pipelines)
+
 
 def _add_model(parser: argparse.ArgumentParser, with_source: bool = True) -> None:
     if with_source:
@@ -117,3 +125,13 @@ def _converted(args) -> tuple[nn.Module, tuple, torch.fx.GraphModule]:
                                                calibration_data=calibration_samples(args, inputs, calibration))
 
 
+def run_pipelines(args) -> int:
+    from pathlib import Path
+
+    from amp_compiler.passes.pipelines import describe, with_listings_updated
+    if args.update:
+        for path in map(Path, args.update):
+            path.write_text(with_listings_updated(path.read_text()))
+        return 0
+    print(describe(facts_tables=args.facts))
+    return 0

@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.config import AmpConfig
-from amp_compiler.convert import collector_paused, compile_graph
+from amp_compiler.graph_conversion import collector_paused, compile_graph
 from amp_compiler.dynamo.cache_state import mark_cache_state
 from amp_compiler.dynamo.calibration import GraphCalls, note_frame
 from amp_compiler.dynamo.bodies import call_bodies_directly, convert_bodies
@@ -207,7 +207,7 @@ class under_autocast:
         modules = _modules_of(gm)
         where = f"the graph of {', '.join(modules[:3])}{' ...' if len(modules) > 3 else ''}" if modules \
             else "a graph"
-        dtype = config.low_dtype if config.level != "O0" else None
+        dtype = config.low_dtype if config.level_spec.paints else None
         self.reason = (f"{where} could not be converted ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
                        f"it runs under torch.autocast({self.device}, {dtype_name(dtype)})")
         warnings.warn(f"amp_compiler: {self.reason}", ConversionFallbackWarning, stacklevel=2)
@@ -219,7 +219,7 @@ class under_autocast:
 
 def level_autocast(config: AmpConfig, device: str):
     """torch.autocast with the level's low dtype on `device`, what every fallback runs under (O0: nothing)."""
-    if config.level == "O0":
+    if not config.level_spec.paints:
         return contextlib.nullcontext()
     return torch.autocast(device, config.low_dtype)
 

@@ -11,42 +11,21 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
-from functools import cached_property
 
 import onnx
 import onnx_ir as ir
 import torch
-from onnx_ir.passes.common import TopologicalSortPass
 
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.onnx.files import (check_writable, copy_onnx_file, has_external_tensors, has_float_tensors,
                                      load_onnx_model, save_onnx_model, weight_bytes)
 from amp_compiler.onnx.progress import PROGRESS_AFTER_SECONDS, ConversionProgress, announcing  # noqa: F401 (old home)
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts, decision_rows
-from amp_compiler.passes.onnx.calibrate_ranges import record_onnx_ranges
-from amp_compiler.passes.onnx.coordinates import keep_onnx_coordinates_fp32
-from amp_compiler.passes.onnx.decide_precision import decide_onnx_precision
-from amp_compiler.passes.onnx.hand_written_norms import keep_onnx_hand_written_norms_fp32
-from amp_compiler.passes.onnx.place_casts import OnnxCastPlacement
-from amp_compiler.passes.painting.calibrate_ranges import calibrated_hooks, check_calibration_data
-from amp_compiler.passes.policy.rules import PrecisionRules
-from amp_compiler.passes.onnx.declare_initializer_inputs import declare_initializer_inputs
-from amp_compiler.passes.onnx.fold_casts import fold_onnx_casts
-from amp_compiler.passes.onnx.infer_types import infer_onnx_types, infers_float_values
-from amp_compiler.passes.onnx.insert_casts import insert_onnx_casts
-from amp_compiler.passes.onnx.lower_graph_inputs import lower_onnx_graph_inputs
-from amp_compiler.passes.onnx.lower_fp8_matmuls import fp8_opset, lower_onnx_fp8_matmuls
-from amp_compiler.passes.onnx.lower_movers_between_casts import lower_onnx_movers_between_casts
-from amp_compiler.passes.onnx.canonicalize import all_nodes, onnx_canonicalize
-from amp_compiler.passes.runner import Pass, PassResult, Pipeline, count
-from amp_compiler.passes.onnx.store_moved_weights_low import store_moved_onnx_weights_low
-from amp_compiler.passes.onnx.store_tied_weights_once import store_onnx_tied_weights_once
-from amp_compiler.passes.onnx.strip_float_casts import strip_onnx_float_casts
-from amp_compiler.passes.onnx.unify_input_types import unify_onnx_input_types
-from amp_compiler.passes.onnx.unique_names import unique_onnx_names
-from amp_compiler.passes.onnx.widen_denied_ops import widen_denied_onnx_ops
-from amp_compiler.passes.onnx.widen_refused_nodes import widen_refused_onnx_nodes
+from amp_compiler.passes.painting.calibrate_ranges import check_calibration_data
+from amp_compiler.passes.onnx.infer_types import infers_float_values
+from amp_compiler.passes.onnx.lower_fp8_matmuls import fp8_opset
+from amp_compiler.passes.pipelines import ONNX_PIPELINE, OnnxState
+from amp_compiler.passes.runner import count
 
 IR_LOW_DTYPES = {torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
 
@@ -131,98 +110,6 @@ def _write_unchanged(src, model: ir.Model, dst, report: OnnxConversionReport) ->
         copy_onnx_file(src, dst)   # byte for byte
     else:
         save_onnx_model(model, dst)
-
-
-@dataclass
-class OnnxState:
-    """What the ONNX passes share: the model (edited in place) and the conversion's choices."""
-    model: ir.Model
-    config: AmpConfig
-    op_block_list: tuple[str, ...] = ()
-    node_block_list: tuple[str, ...] = ()
-    calibration_data: object = None
-    exported: bool = False   # export_onnx: torch.onnx wrote the graph, its types and Casts, from convert()'s decisions
-    low_families: frozenset[str] = frozenset()   # export_onnx: op families convert() painted low somewhere
-
-    @property
-    def low(self) -> ir.DataType:
-        return IR_LOW_DTYPES[self.config.low_dtype]
-
-    @cached_property
-    def rules(self) -> PrecisionRules:
-        return self.config.precision_rules()
-
-
-def _decide(state: OnnxState) -> PassResult:
-    coordinates = keep_onnx_coordinates_fp32(state.model.graph)   # positions from Range stay fp32
-    norms = keep_onnx_hand_written_norms_fp32(state.model.graph, state.rules.norm_kept_fp32())   # as on fx
-    hooks = (norms, coordinates, *calibrated_hooks(state.model.graph, state.config.low_dtype))
-    placement = OnnxCastPlacement(state.model, state.config.keep_io_types, state.config.placement_method) \
-        if state.config.cast_placement else None
-    result = decide_onnx_precision(state.model, state.rules, state.low,
-                                   op_block_list=state.op_block_list, node_block_list=state.node_block_list,
-                                   painted=(*hooks, placement) if placement else hooks)
-    if placement is not None:
-        result.counts.update(placement.counts)
-    return result
-
-
-def sort_nodes(model: ir.Model) -> PassResult:
-    return PassResult(modified=TopologicalSortPass()(model).modified)
-
-
-def check_onnx_model(state) -> None:
-    """The invariants every ONNX pass keeps: a model onnx.checker accepts (types are checked at the end)."""
-    onnx.checker.check_model(ir.serde.serialize_model(state.model))
-
-
-# How both entry points finish, once every precision is decided and every Cast is in the graph: export_onnx
-# after torch.onnx wrote convert()'s decisions, convert_onnx after insert_casts. Passes for one side say why.
-_EXPORTED = "on export_onnx"
-# What the nodes may carry when the finishing passes start: convert_onnx's decisions (export_onnx's nodes, written by
-# torch.onnx, carry none: the decisions are in their types and Casts, and reading a fact a node lacks reads nothing).
-_DECIDED = ("op", "module", "class", "family", "reason", "precision", "rule", "forced", "range")
-_EXPORTED_PAINTED = "on export_onnx at a level that paints (levels.py; not O0)"
-ONNX_FINISH_PIPELINE = Pipeline("onnx finish", (
-    Pass("unify_input_types", lambda s: unify_onnx_input_types(s.model),   # torch's fp16-data/fp32-weight norms
-         when=lambda s: s.exported, when_says=_EXPORTED),                    # (insert_casts makes types agree)
-    Pass("widen_refused_nodes", lambda s: widen_refused_onnx_nodes(s.model),   # fp16 kernels ONNX Runtime refuses
-         when=lambda s: s.exported, when_says=_EXPORTED),                        # (convert_onnx paints them fp32)
-    Pass("widen_denied_ops", lambda s: widen_denied_onnx_ops(s.model, s.rules, s.low_families),   # sdpa's Softmax
-         when=lambda s: s.exported and s.config.level_spec.paints, when_says=_EXPORTED_PAINTED),   # (decide did)
-    Pass("store_moved_weights_low", lambda s: store_moved_onnx_weights_low(s.model, s.low, s.rules),   # tables
-         when=lambda s: s.config.level_spec.paints, when_says="when the level paints (levels.py; not O0)",
-         reads=("forced",), writes=("precision", "rule")),
-    Pass("fold_casts", lambda s: fold_onnx_casts(s.model)),   # weights, constants, chains, duplicates
-    Pass("lower_movers_between_casts", lambda s: lower_onnx_movers_between_casts(s.model)),   # rows cast up, then down
-    Pass("store_tied_weights_once", lambda s: store_onnx_tied_weights_once(s.model)),   # weights in final dtypes
-    Pass("lower_graph_inputs", lambda s: lower_onnx_graph_inputs(s.model, s.low),
-         when=lambda s: not s.config.keep_io_types, when_says="when keep_io_types=False"),
-    Pass("declare_initializer_inputs", lambda s: declare_initializer_inputs(s.model),   # IR 3 wants them
-         when=lambda s: s.model.ir_version < 4, when_says="when the model's IR version is below 4"),
-    Pass("infer_types:verify", lambda s: infer_onnx_types(s.model, verify_rewrite=True),   # ONNX must agree
-         when=lambda s: not s.exported, when_says="on convert_onnx (it checks its own rewrite's types)",
-         reads=("precision",)),
-    Pass("sort:after_rewrite", lambda s: sort_nodes(s.model)),
-), check=check_onnx_model, nodes=lambda s: list(all_nodes(s.model.graph)), front_end_facts=_DECIDED)
-
-ONNX_PIPELINE = Pipeline("onnx", (
-    Pass("unique_names", lambda s: unique_onnx_names(s.model)),   # decisions and block lists address nodes by name
-    Pass("sort", lambda s: sort_nodes(s.model)),
-    Pass("canonicalize", lambda s: onnx_canonicalize(s.model), writes=("op", "module")),
-    Pass("infer_types:fill", lambda s: infer_onnx_types(s.model, verify_rewrite=False)),   # what is float
-    Pass("calibrate_ranges", lambda s: record_onnx_ranges(s.model, s.calibration_data, s.config.low_dtype),
-         when=lambda s: s.calibration_data is not None, when_says="with calibration_data",   # fp32 runs on samples
-         writes=("range",)),
-    Pass("strip_float_casts", lambda s: strip_onnx_float_casts(s.model)),   # records source dtypes, painting decides
-    Pass("decide_precision", lambda s: _decide(s),   # painting, calibration, then cast placement (as on fx)
-         reads=("op", "module", "range"), writes=("class", "family", "reason", "precision", "rule", "forced")),
-    Pass("insert_casts", lambda s: insert_onnx_casts(s.model, s.low, s.config.keep_io_types), reads=("precision",)),
-    Pass("lower_fp8_matmuls", lambda s: lower_onnx_fp8_matmuls(s.model, s.config.fp8, s.low, exported=False),
-         when=lambda s: s.config.fp8 is not None, when_says="at the fp8 level (levels.py)",   # the fx pass's twin
-         reads=("precision", "module", "range"), writes=("rule",)),
-    *ONNX_FINISH_PIPELINE.passes,
-), check=check_onnx_model, nodes=ONNX_FINISH_PIPELINE.nodes)
 
 
 def run_onnx_pipeline(model: ir.Model, config: AmpConfig, *, op_block_list=(), node_block_list=(),

@@ -40,11 +40,10 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.config import AmpConfig, make_config
-from amp_compiler.convert import compile_graph
+from amp_compiler.graph_conversion import compile_graph
 from amp_compiler.frontend import CapturedGraph, TracingError, capture, graph_module_to_compile
 from amp_compiler.frontend.export_capture import settle_training_flag
-from amp_compiler.onnx.convert import (IR_LOW_DTYPES, ONNX_FINISH_PIPELINE, OnnxState, check_onnx_model,
-                                       conversion_warnings, onnx_config)
+from amp_compiler.onnx.convert import IR_LOW_DTYPES, conversion_warnings, onnx_config
 from amp_compiler.onnx.files import save_onnx_model, weight_bytes
 from amp_compiler.onnx.progress import ConversionProgress, announcing
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts
@@ -55,13 +54,12 @@ from amp_compiler.passes.fx.fold_batch_norms import (find_foldable_batch_norms, 
 from amp_compiler.passes.fx import fp8_runtime
 from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place_in_graph
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
-from amp_compiler.passes.onnx.lower_fp8_matmuls import (FP8_EXPORT_NAMESPACE, NO_AMAX, fp8_opset, lower_onnx_fp8_matmuls,
+from amp_compiler.passes.onnx.lower_fp8_matmuls import (FP8_EXPORT_NAMESPACE, NO_AMAX, fp8_opset,
                                                         onnx_recipe)
 from amp_compiler.passes.onnx.spec import is_float_type
 from amp_compiler.passes.painting.calibrate_ranges import check_calibration_data
 from amp_compiler.passes.policy.numerics import FP16_MAX
-from amp_compiler.passes.runner import Pass, Pipeline
-from amp_compiler.passes.onnx.unique_names import unique_onnx_names
+from amp_compiler.passes.pipelines import EXPORT_PIPELINE, OnnxState
 from amp_compiler.passes.node_facts import facts
 
 
@@ -244,14 +242,6 @@ def prepare_for_inference(captured: CapturedGraph, config: AmpConfig) -> tuple[C
     counts["out_of_place_activations"] = make_out_of_place_in_graph(gm, activations).counts
     captured.leaves = sorted({n.target for n in gm.graph.nodes if n.op == "call_module"})
     return captured, counts
-
-
-EXPORT_PIPELINE = Pipeline("export_onnx", (
-    Pass("unique_names", lambda s: unique_onnx_names(s.model)),
-    Pass("lower_fp8_matmuls", lambda s: lower_onnx_fp8_matmuls(s.model, s.config.fp8, s.low, exported=True),
-         when=lambda s: s.config.fp8 is not None, when_says="at the fp8 level (levels.py)"),   # convert()'s fp8 ones
-    *ONNX_FINISH_PIPELINE.passes,   # with the passes only an export needs (when=exported)
-), check=check_onnx_model, nodes=ONNX_FINISH_PIPELINE.nodes, front_end_facts=("forced",))   # none carried (_DECIDED)
 
 
 def run_export_pipeline(model: ir.Model, config: AmpConfig, gm: fx.GraphModule | None = None, *,

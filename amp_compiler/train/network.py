@@ -207,7 +207,7 @@ def build_train_network(model: nn.Module, optimizer: torch.optim.Optimizer, loss
     converted = convert(model, level, example_inputs=example_inputs, dtype=dtype,
                         loss_scale_manager=loss_scale_manager, **overrides)
     if store_weights_low is None:
-        store_weights_low = config.level in ("O2", "O3")
+        store_weights_low = config.level_spec.stores_weights_low
     weights = LowWeights(converted, optimizer, config.low_dtype) if store_weights_low else None
     return TrainStep(model, converted, optimizer, loss_fn, loss_scale_manager, weights)
 
