@@ -8,11 +8,15 @@
 The levels are Apex's: O0 fp32 as written; O1 the op policy (convert(model, "O1", inplace=True)); O2 the
 model's weights low (norms fp32 with keep_batchnorm_fp32) and fp32 master weights in the optimizer's param
 groups: after backward the low gradients are unscaled into the masters' .grad, after step the masters are
-copied back into the model; O3 everything low. Each model is converted in place first, so its graphs cast
+copied back into the model (the pairs, the fold and the copy are train/low_weights.py's MasterWeights, which
+low_weights() is built on too); O3 everything low. Each model is converted in place first, so its graphs cast
 inputs and outputs at their boundaries (what Apex's patched forward did); O2/O3 then cast the weights, which
 turns the graphs' weight casts into no-ops. Loss scaling reuses the loss-scale managers (train/loss_scale.py),
 one per loss (num_losses): an overflow halves the scale and the next optimizer.step() is skipped, as Apex's.
-The state (options, scalers, masters) is module-global, as Apex's `_amp_state`.
+The state (options, scalers, masters) is one AmpState per initialize() (Apex's `_amp_state` is module-global):
+each optimizer reaches its own through its stash, so two initialize() calls in one process do not meet. Apex's
+argument-less amp.state_dict()/load_state_dict() address the latest initialize's, as Apex's do (optimizer= names
+another).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from torch import nn
 
 from amp_compiler.convert import convert
 from amp_compiler.converted import compiled_record
-from amp_compiler.train.low_weights import fused_copy_
+from amp_compiler.train.low_weights import MasterPair, MasterWeights, unscale_
 from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 from amp_compiler.train.scale_arguments import checked_scale
 
@@ -56,12 +60,13 @@ LEVEL_DEFAULTS = {"O0": (False, None, False, 1.0), "O1": (False, None, False, "d
                   "O2": (True, True, True, "dynamic"), "O3": (True, False, False, 1.0)}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class AmpState:
+    """One initialize()'s state: its options, one loss scaler per loss, its optimizers' stashes (their masters)."""
     properties: Properties | None
     scalers: list = dataclasses.field(default_factory=list)    # LossScaleManager per loss_id
     verbosity: int = 1
-    masters: dict = dataclasses.field(default_factory=dict)    # model parameter -> its fp32 master (O2)
+    stashes: list = dataclasses.field(default_factory=list)    # OptimizerStash per optimizer
 
     @property
     def enabled(self) -> bool:
@@ -71,8 +76,17 @@ class AmpState:
         if self.verbosity > 0:
             print(f"amp_compiler: {message}")
 
+    def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 master of a low model parameter, held by any of this initialize's optimizers; else None."""
+        for stash in self.stashes:
+            if (pair := stash.masters.pair_of(param)) is not None:
+                return pair.master
+        return None
 
-_state: AmpState | None = None
+
+# The latest initialize()'s state, only for what names no optimizer: Apex's amp.state_dict() and
+# load_state_dict() (and a scale_loss given none). Everything else goes through the optimizer's own stash.
+_latest: AmpState | None = None
 
 
 # -- initialize ------------------------------------------------------------------------------------------
@@ -86,9 +100,12 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     and optimizers and before wrapping them in DistributedDataParallel. `capture` (not Apex's): convert()'s,
     TorchDynamo's, the only one (O2/O3's stored low weights are what its graphs read).
     """
-    global _state
-    if not enabled:
-        _state = AmpState(None, verbosity=verbosity)
+    global _latest
+    if not enabled:   # the optimizers are marked only: scale_loss yields their losses as they are
+        _latest = AmpState(None, verbosity=verbosity)
+        for optimizer in optimizers if isinstance(optimizers, list) else [optimizers]:
+            if isinstance(optimizer, torch.optim.Optimizer) and not _initialized_already(optimizer):
+                optimizer._amp_stash = OptimizerStash(_latest)
         return models if optimizers is None else (models, optimizers)
     properties = resolve_properties(opt_level, cast_model_type, patch_torch_functions, keep_batchnorm_fp32,
                                     master_weights, loss_scale, cast_model_outputs)
@@ -96,8 +113,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     _check_fresh(model_list, optimizer_list)   # before anything changes
     state = AmpState(properties, verbosity=verbosity)
     state.scalers = [_loss_scaler(properties, min_loss_scale, max_loss_scale) for _ in range(_count(num_losses))]
-    state.masters = _convert_and_prepare(model_list, optimizer_list, properties, capture)
-    _state = state
+    _convert_and_prepare(model_list, optimizer_list, state, capture)
+    _latest = state
     state.say(f"initialize: {_summary(properties, state.scalers[0])}")
     return _returned(models, model_list, optimizers, optimizer_list)
 
@@ -210,8 +227,13 @@ def _returned(models, model_list, optimizers, optimizer_list):
     return models_back, optimizer_list if isinstance(optimizers, list) else optimizer_list[0]
 
 
+def _initialized_already(optimizer: torch.optim.Optimizer) -> bool:
+    stash = getattr(optimizer, "_amp_stash", None)
+    return stash is not None and stash.amp.enabled   # initialize(enabled=False) changed nothing
+
+
 def _check_fresh(models: list, optimizers: list) -> None:
-    again = any(hasattr(optimizer, "_amp_stash") for optimizer in optimizers) or any(
+    again = any(_initialized_already(optimizer) for optimizer in optimizers) or any(
         compiled_record(model) is not None for model in models)
     if again:   # before the dtype check: its advice (model.float()) would leave the first masters stale
         raise RuntimeError("a model or optimizer went through amp_compiler.initialize already: call initialize "
@@ -223,25 +245,23 @@ def _check_fresh(models: list, optimizers: list) -> None:
                              "an fp32 model (O2/O3 cast the weights themselves). Call model.float() first.")
 
 
-def _convert_and_prepare(models: list, optimizers: list, properties: Properties, capture: str | None = None) -> dict:
-    """Convert the models in place, give the optimizers fp32 masters of the weights O2 casts, cast them.
-    Returns {low parameter: its master}, which the models' checkpoint hooks read."""
+def _convert_and_prepare(models: list, optimizers: list, state: AmpState, capture: str | None = None) -> None:
+    """Convert the models in place, give the optimizers fp32 masters of the weights O2 casts (state.stashes),
+    cast them; the models' checkpoint hooks read the masters through `state`."""
+    properties = state.properties
     to_cast = [p for model in models for p in _weights_to_cast(model, properties)]
     for model in models:
         _convert(model, properties, capture)
-    # the masters start from the fp32 weights themselves (Apex's from their fp16 rounding)
-    masters = {p: p.detach().clone() for p in to_cast
-               if isinstance(p, nn.Parameter) and p.requires_grad and properties.master_weights}
+    # the masters start from the fp32 weights themselves (Apex's from their fp16 rounding); one no optimizer
+    # holds is dropped (add_param_group later starts one from the low weight)
+    candidates = {p: p.detach().clone() for p in to_cast
+                  if isinstance(p, nn.Parameter) and p.requires_grad and properties.master_weights}
     for optimizer in optimizers:
-        _prepare_optimizer(optimizer, properties, masters)
-    held = {low for optimizer in optimizers for low, _ in optimizer._amp_stash.pairs}
-    for param in [p for p in masters if p not in held]:   # no optimizer steps it: no master
-        del masters[param]
+        state.stashes.append(_prepare_optimizer(optimizer, state, candidates))
     _cast(to_cast, properties.low_dtype)
     if properties.cast_weights:
         for model in models:
-            _checkpoint_in_fp32(model, masters)
-    return masters
+            _checkpoint_in_fp32(model, state)
 
 
 def _convert(model: nn.Module, properties: Properties, capture: str | None = None) -> None:
@@ -324,26 +344,41 @@ def _summary(properties: Properties, scaler: LossScaleManager) -> str:
 
 
 # -- the optimizer ------------------------------------------------------------------------------------------
-@dataclasses.dataclass
 class OptimizerStash:
-    """What initialize adds to an optimizer (`optimizer._amp_stash`, Apex's name)."""
-    pairs: list = dataclasses.field(default_factory=list)        # (low model parameter, its fp32 master)
-    own: list = dataclasses.field(default_factory=list)          # parameters the optimizer steps themselves
-    stashed: list = dataclasses.field(default_factory=list)      # their gradients from before this backward
-    skip_next_step: bool = False          # scale_loss found inf/nan: the next step() does nothing
-    scaled_grads_pending: bool = False    # a delay_unscale backward left scaled gradients
+    """What initialize adds to an optimizer (`optimizer._amp_stash`, Apex's name): its initialize's AmpState;
+    the O2 pairs (`masters`, low_weights.MasterWeights: the model's own parameters cast low, the fp32 masters the
+    param groups hold), folded on leaving scale_loss and copied back by a step post-hook; the parameters it steps
+    itself; and Apex's step/zero_grad/add_param_group wrappers (wrap/unwrap)."""
 
-    def adopt(self, params, master_weights: bool, masters: dict) -> list:
-        """The params a param group holds: an fp32 master for each low one (at O2), else the param itself."""
+    def __init__(self, amp: AmpState) -> None:
+        self.amp = amp
+        self.masters = MasterWeights()
+        self.own: list = []                # parameters the optimizer steps themselves
+        self.stashed: list = []            # their gradients from before this backward
+        self.skip_next_step = False        # scale_loss found inf/nan: the next step() does nothing
+        self.scaled_grads_pending = False  # a delay_unscale backward left scaled gradients
+        self._undo: list = []              # (optimizer, name, what it held before wrap()), for unwrap()
+        self._copy_hook = None             # wrap()'s step post-hook: the masters copied into the model
+
+    @property
+    def pairs(self) -> list[MasterPair]:
+        return self.masters.pairs
+
+    def adopt(self, params, candidates: dict | None = None) -> list:
+        """The params a param group holds: an fp32 master for each low one (at O2), else the param itself. The
+        master is the candidate (initialize's fp32 clone of the weight), a master another optimizer of this
+        initialize holds already, or a new one from the low parameter (add_param_group's)."""
         adopted = []
         for param in params:
-            will_be_low = param in masters or param.dtype in LOW
-            if master_weights and param.requires_grad and will_be_low:
-                master = masters.get(param)
+            master = candidates.get(param) if candidates else None
+            if master is None:
+                master = self.amp.master_of(param)
+            will_be_low = master is not None or param.dtype in LOW
+            if self.amp.properties.master_weights and param.requires_grad and will_be_low:
                 if master is None:   # a low parameter from add_param_group: its master starts from it
-                    master = masters[param] = param.detach().float()
+                    master = param.detach().float()
                 master.requires_grad_(True)
-                self.pairs.append((param, master))
+                self.masters.add_pair(MasterPair(low=param, master=master))
                 adopted.append(master)
             else:
                 self.own.append(param)
@@ -352,16 +387,17 @@ class OptimizerStash:
 
     def before_backward(self) -> None:
         """Gradients from earlier backwards are unscaled already: set them aside, added back after."""
-        for low, _ in self.pairs:
-            low.grad = None
+        for pair in self.pairs:
+            pair.low.grad = None
         self.stashed = [param.grad for param in self.own]
         for param in self.own:
             param.grad = None
 
     def after_backward(self, inv_scale: float) -> bool:
         """Unscale this backward's gradients into the masters (the own parameters' into themselves), add the
-        earlier ones; True when any of this backward's is inf/nan."""
-        new = [(master, low.grad.float(), master.grad) for low, master in self.pairs if low.grad is not None]
+        earlier ones; True when any of this backward's is inf/nan. The model's low parameters keep theirs."""
+        _, found = self.masters.fold(inv_scale, clear_low=False)
+        new = []
         stashed = self.stashed or [None] * len(self.own)
         for param, before in zip(self.own, stashed):
             if param.grad is None:
@@ -369,7 +405,7 @@ class OptimizerStash:
             else:
                 new.append((param, param.grad.float(), before))
         self.stashed = []
-        found = _unscale_([grad for _, grad, _ in new], inv_scale)
+        found = unscale_([grad for _, grad, _ in new], inv_scale) or found
         for target, grad, before in new:
             total = grad if before is None else grad + before
             target.grad = total.to(target.dtype)
@@ -378,106 +414,110 @@ class OptimizerStash:
     def backward_outside_scale_loss(self) -> bool:
         """The model's low parameters have gradients and no master has one: a loss.backward() without
         scale_loss, whose gradients the masters never see."""
-        return any(low.grad is not None for low, _ in self.pairs) and \
-            all(master.grad is None for _, master in self.pairs)
-
-    def masters_to_model(self) -> None:
-        fused_copy_([low for low, _ in self.pairs], [master for _, master in self.pairs])
+        return any(pair.low.grad is not None for pair in self.pairs) and \
+            all(pair.master.grad is None for pair in self.pairs)
 
     def clear_master_grads(self) -> None:
         # model.zero_grad() cannot reach them (Apex clears them after each step too)
-        for _, master in self.pairs:
-            master.grad = None
+        for pair in self.pairs:
+            pair.master.grad = None
+
+    def wrap(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apex's optimizer.step, zero_grad and add_param_group, as instance attributes (the class untouched;
+        bound methods, so an LR scheduler created later can wrap step()); unwrap() puts the optimizer's own back.
+
+        A wrapped step, as Apex patches it: a step whose gradients scale_loss found inf/nan in must not run at
+        all, and a step pre-hook cannot skip one (it may only change the arguments); zero_grad must clear the
+        model's low parameters, which no param group holds, and add_param_group give new low parameters masters:
+        torch has no hook for either. The copy master -> model after a real step is a step post-hook
+        (MasterWeights.copy_after_steps), the one low_weights() uses."""
+        step, zero_grad, add_param_group = optimizer.step, optimizer.zero_grad, optimizer.add_param_group
+        stash = self
+
+        def amp_step(self, closure=None):
+            if closure is not None:
+                raise RuntimeError("optimizer.step(closure) is not supported after initialize (nor by Apex): the "
+                                   "closure would recompute gradients outside scale_loss; call backward in "
+                                   "scale_loss, then step()")
+            if stash.skip_next_step:   # scale_loss found inf/nan in this step's gradients
+                stash.skip_next_step = False
+                stash.clear_master_grads()
+                return None
+            if stash.backward_outside_scale_loss():
+                raise RuntimeError("optimizer.step() found gradients on the model's low weights but none on the "
+                                   "fp32 master weights it steps: backward ran outside amp_compiler.scale_loss. "
+                                   "Use `with amp_compiler.scale_loss(loss, optimizer) as scaled: "
+                                   "scaled.backward()`")
+            result = step()   # its post-hook copies the masters into the model
+            stash.clear_master_grads()
+            return result
+
+        def amp_zero_grad(self, set_to_none: bool = True):
+            zero_grad(set_to_none=set_to_none)
+            for pair in stash.pairs:   # the model's low parameters are not in the param groups
+                pair.low.grad = None
+
+        def amp_add_param_group(self, param_group: dict):
+            params = param_group["params"]
+            if isinstance(params, set):
+                raise TypeError("add_param_group: give the parameters as a list (a set's order changes between "
+                                "runs)")
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            add_param_group({**param_group, "params": stash.adopt(params)})
+
+        if hasattr(step, "_wrapped_by_lr_sched"):   # a scheduler built before initialize: amp_step still calls it
+            amp_step._wrapped_by_lr_sched = True
+        for name, method in (("step", amp_step), ("zero_grad", amp_zero_grad),
+                             ("add_param_group", amp_add_param_group)):
+            self._undo.append((optimizer, name, optimizer.__dict__.get(name, _ABSENT)))   # an earlier wrapper's
+            setattr(optimizer, name, types.MethodType(method, optimizer))
+        self._copy_hook = self.masters.copy_after_steps(optimizer)
+
+    def unwrap(self) -> None:
+        """The optimizer's own step, zero_grad and add_param_group back (or the wrappers it had before wrap()),
+        the copy hook removed: no step is skipped nor copied into the model any more. Its param groups keep the
+        masters."""
+        for optimizer, name, before in reversed(self._undo):
+            if before is _ABSENT:
+                optimizer.__dict__.pop(name, None)
+            else:
+                setattr(optimizer, name, before)
+        self._undo = []
+        if self._copy_hook is not None:
+            self._copy_hook.remove()
+            self._copy_hook = None
 
 
-def _unscale_(grads: list[torch.Tensor], inv_scale: float) -> bool:
-    """Multiply fp32 gradients by 1/scale in place (the fused kernel GradScaler uses); any inf/nan?"""
-    found = False
-    by_device: dict = {}
-    for grad in grads:
-        by_device.setdefault(grad.device, []).append(grad)
-    for device, group in by_device.items():
-        flag = torch.zeros((), device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, torch.full((), inv_scale, device=device))
-        found = found or bool(flag.item())
-    return found
+_ABSENT = object()   # wrap(): the optimizer had no instance attribute of that name (the class's method)
 
 
-def _prepare_optimizer(optimizer: torch.optim.Optimizer, properties: Properties, masters: dict) -> None:
-    stash = optimizer._amp_stash = OptimizerStash()
+def _prepare_optimizer(optimizer: torch.optim.Optimizer, state: AmpState, candidates: dict) -> OptimizerStash:
+    stash = optimizer._amp_stash = OptimizerStash(state)
     for group in optimizer.param_groups:
         holds = list(group["params"])
-        group["params"] = stash.adopt(holds, properties.master_weights, masters)
+        group["params"] = stash.adopt(holds, candidates)
         for before, now in zip(holds, group["params"]):
             if before is not now and before in optimizer.state:   # momentum etc. move to the master
                 optimizer.state[now] = optimizer.state.pop(before)
-    _patch_methods(optimizer, stash, properties, masters)
-
-
-def _patch_methods(optimizer: torch.optim.Optimizer, stash: OptimizerStash, properties: Properties,
-                   masters: dict) -> None:
-    """step, zero_grad and add_param_group as instance methods (the class is untouched), as Apex patches them;
-    bound methods, so an LR scheduler created later can wrap step()."""
-    step, zero_grad, add_param_group = optimizer.step, optimizer.zero_grad, optimizer.add_param_group
-
-    def amp_step(self, closure=None):
-        if closure is not None:
-            raise RuntimeError("optimizer.step(closure) is not supported after initialize (nor by Apex): the "
-                               "closure would recompute gradients outside scale_loss; call backward in "
-                               "scale_loss, then step()")
-        if stash.skip_next_step:   # scale_loss found inf/nan in this step's gradients
-            stash.skip_next_step = False
-            stash.clear_master_grads()
-            return None
-        if stash.backward_outside_scale_loss():
-            raise RuntimeError("optimizer.step() found gradients on the model's low weights but none on the fp32 "
-                               "master weights it steps: backward ran outside amp_compiler.scale_loss. Use "
-                               "`with amp_compiler.scale_loss(loss, optimizer) as scaled: scaled.backward()`")
-        result = step()
-        stash.masters_to_model()
-        stash.clear_master_grads()
-        return result
-
-    def amp_zero_grad(self, set_to_none: bool = True):
-        zero_grad(set_to_none=set_to_none)
-        for low, _ in stash.pairs:   # the model's low parameters are not in the param groups
-            low.grad = None
-
-    def amp_add_param_group(self, param_group: dict):
-        params = param_group["params"]
-        if isinstance(params, set):
-            raise TypeError("add_param_group: give the parameters as a list (a set's order changes between runs)")
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        add_param_group({**param_group, "params": stash.adopt(params, properties.master_weights, masters)})
-
-    if hasattr(step, "_wrapped_by_lr_sched"):   # a scheduler built before initialize: amp_step still calls it
-        amp_step._wrapped_by_lr_sched = True
-    optimizer.step = types.MethodType(amp_step, optimizer)
-    optimizer.zero_grad = types.MethodType(amp_zero_grad, optimizer)
-    optimizer.add_param_group = types.MethodType(amp_add_param_group, optimizer)
+    stash.wrap(optimizer)
+    return stash
 
 
 # -- the model's checkpoints --------------------------------------------------------------------------------
-def _checkpoint_in_fp32(model: nn.Module, masters: dict) -> None:
+def _checkpoint_in_fp32(model: nn.Module, state: AmpState) -> None:
     """model.state_dict() holds fp32 weights (the masters' values where there are masters; Apex's
     O2StateDictHook saves the fp16 weights cast up), and load_state_dict() sets the masters too, so a
     checkpoint restores training exactly; a Hugging Face model's save_pretrained records float32 in its config."""
     def fp32_values(module, state_dict, prefix, local_metadata):
-        for name, param in module.named_parameters(remove_duplicate=False):
-            key = prefix + name
-            if key in state_dict and param in masters:
-                state_dict[key] = masters[param].detach()
+        for stash in state.stashes:
+            stash.masters.masters_in_state_dict(module, state_dict, prefix)
         for key, value in state_dict.items():
             if isinstance(value, torch.Tensor) and value.dtype in LOW:
                 state_dict[key] = value.float()
 
-    @torch.no_grad()
     def load_masters(module, state_dict, prefix, *rest):
-        for name, param in module.named_parameters(remove_duplicate=False):
-            value = state_dict.get(prefix + name)
-            master = masters.get(param)
-            if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
-                master.copy_(value)
+        for stash in state.stashes:
+            stash.masters.load_into_masters(module, state_dict, prefix)
 
     model.register_state_dict_post_hook(fp32_values)
     model.register_load_state_dict_pre_hook(load_masters)
@@ -500,11 +540,18 @@ def save_pretrained(self, save_directory, *args, **kwargs):
 
 
 # -- scale_loss, master_params, state_dict --------------------------------------------------------------------
-def _initialized() -> AmpState:
-    if _state is None:
-        raise RuntimeError("amp_compiler.initialize() has not been called: call model, optimizer = "
-                           "amp_compiler.initialize(model, optimizer, opt_level=...) before scale_loss/state_dict")
-    return _state
+def _not_initialized() -> RuntimeError:
+    return RuntimeError("amp_compiler.initialize() has not been called: call model, optimizer = "
+                        "amp_compiler.initialize(model, optimizer, opt_level=...) before scale_loss/state_dict")
+
+
+def _state_of(optimizer=None) -> AmpState:
+    """`optimizer`'s initialize's state; given None, the latest initialize's (Apex's argument-less functions)."""
+    if optimizer is not None:
+        return _stash_of(optimizer).amp
+    if _latest is None:
+        raise _not_initialized()
+    return _latest
 
 
 @contextlib.contextmanager
@@ -515,11 +562,15 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     delay_unscale=True leaves this backward's gradients scaled for a later scale_loss to unscale (Apex's
     gradient accumulation shortcut); `model` is unused, as in Apex.
     """
-    state = _initialized()
+    stashes = [_stash_of(optimizer) for optimizer in _optimizer_list(optimizers)]
+    states = list({id(stash.amp): stash.amp for stash in stashes}.values())
+    if len(states) > 1:
+        raise ValueError("scale_loss got optimizers of different initialize() calls, whose loss scalers differ: "
+                         "call scale_loss once per initialize's optimizers, or initialize them together (lists)")
+    state = states[0] if states else _state_of()
     if not state.enabled:
         yield loss
         return
-    stashes = [_stash_of(optimizer) for optimizer in _optimizer_list(optimizers)]
     scaler = _scaler(state, loss_id)
     scale = scaler.get_loss_scale()
     if scale == 1 and not scaler.get_drop_overflow_update() and not any(s.pairs for s in stashes):
@@ -543,6 +594,10 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
 
 def _stash_of(optimizer) -> OptimizerStash:
     stash = getattr(optimizer, "_amp_stash", None)
+    if stash is None and _latest is None:
+        raise _not_initialized()
+    if stash is None and not _latest.enabled:   # Apex: after initialize(enabled=False), any optimizer's loss as is
+        return OptimizerStash(_latest)
     if stash is None:
         raise RuntimeError(f"scale_loss got a {type(optimizer).__name__} that did not go through "
                            "amp_compiler.initialize: pass every optimizer to initialize (a list for several)")
@@ -571,18 +626,20 @@ def master_params(optimizer: torch.optim.Optimizer):
         yield from group["params"]
 
 
-def state_dict(destination=None) -> dict:
-    """The loss scalers, in Apex's format: {"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}."""
+def state_dict(destination=None, *, optimizer=None) -> dict:
+    """The loss scalers, in Apex's format: {"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}: the
+    latest initialize's, as Apex's, or those of the initialize that prepared `optimizer`."""
     destination = OrderedDict() if destination is None else destination
-    for index, scaler in enumerate(_initialized().scalers):
+    for index, scaler in enumerate(_state_of(optimizer).scalers):
         destination[f"loss_scaler{index}"] = {"loss_scale": scaler.get_loss_scale(),
                                               "unskipped": getattr(scaler, "clean_steps", 0)}
     return destination
 
 
-def load_state_dict(state_dict: dict) -> None:
-    """Restore state_dict() (Apex's format): each loss scaler's scale and its clean-step count."""
-    scalers = _initialized().scalers
+def load_state_dict(state_dict: dict, *, optimizer=None) -> None:
+    """Restore state_dict() (Apex's format): each loss scaler's scale and its clean-step count (into the latest
+    initialize's scalers, as Apex, or those of the initialize that prepared `optimizer`)."""
+    scalers = _state_of(optimizer).scalers
     unexpected = [key for key in state_dict if "loss_scaler" not in key]
     if unexpected:
         raise RuntimeError(f"amp state_dict has unexpected keys {unexpected}: give it what "

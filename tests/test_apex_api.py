@@ -138,6 +138,9 @@ def test_enabled_false_changes_nothing():
         assert scaled is loss
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert "step" not in optimizer.__dict__ and "_amp_compiled" not in model.__dict__
+    other = torch.optim.SGD(model.parameters(), lr=0.1)   # not given to it: Apex's scale_loss yields it as it is
+    with amp_compiler.scale_loss(loss, other) as scaled:
+        assert scaled is loss
 
 
 # -- training against a plain-torch reference -----------------------------------------------------------
@@ -252,7 +255,7 @@ def test_min_and_max_loss_scale_bound_the_dynamic_scale():
     amp_compiler.initialize(model, optimizer, opt_level="O1", min_loss_scale=256.0, max_loss_scale=1024.0,
                             verbosity=0)
     assert scales() == [1024.0]   # Apex: min(2**16, max_loss_scale)
-    scaler = apex._state.scalers[0]
+    scaler = optimizer._amp_stash.amp.scalers[0]
     scaler.set_growth_interval(1)
 
     def step(inject):
@@ -602,3 +605,81 @@ def test_delay_unscale_accumulates_scaled_gradients_for_the_next_scale_loss(leve
         scaled.backward()
     for master, param in zip(amp_compiler.master_params(optimizer), reference.parameters()):
         assert torch.equal(master.grad, param.grad)
+
+
+# -- state owned by each initialize (issue 31) ---------------------------------------------------------------
+def test_two_initialize_calls_keep_their_own_scalers_skips_and_verbosity(capsys):
+    """Each optimizer reaches its own initialize's state through its stash: a later initialize (another level,
+    loss scale, verbosity, or enabled=False) changes nothing for the first. With one module-global state the
+    first pair's scale_loss used the second's scale (128), its overflow message went silent, and after an
+    enabled=False initialize its scale_loss yielded the loss unscaled and its step raised."""
+    torch.manual_seed(0)
+    first, second, third = nn.Linear(3, 2), nn.Linear(3, 2), nn.Linear(3, 2)
+    first_optimizer = torch.optim.SGD(first.parameters(), lr=0.1)
+    second_optimizer = torch.optim.SGD(second.parameters(), lr=0.1)
+    amp_compiler.initialize(first, first_optimizer, opt_level="O2", verbosity=1)   # fp16, dynamic from 2**16
+    amp_compiler.initialize(second, second_optimizer, opt_level="O1", loss_scale=128.0, verbosity=0)
+    amp_compiler.initialize(third, torch.optim.SGD(third.parameters(), lr=0.1), opt_level="O2", enabled=False)
+    capsys.readouterr()
+    x = torch.ones(1, 3)
+
+    def step(model, optimizer, inject=False):
+        optimizer.zero_grad()
+        loss = model(x).float().sum() / 4   # fp16 holds 2**16 times its gradients
+        with amp_compiler.scale_loss(loss, optimizer) as scaled:
+            scale = (scaled / loss).item()
+            scaled.backward()
+            if inject:
+                model.weight.grad[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.step()
+        return scale, not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+    assert step(first, first_optimizer) == (2.0 ** 16, True)
+    assert step(second, second_optimizer) == (128.0, True)
+    assert step(first, first_optimizer, inject=True) == (2.0 ** 16, False)   # skipped, the first's scale halves
+    assert "skipping the step" in capsys.readouterr().out   # the first's verbosity, not the latest's
+    assert step(second, second_optimizer) == (128.0, True)
+    assert amp_compiler.state_dict(optimizer=first_optimizer)["loss_scaler0"]["loss_scale"] == 2.0 ** 15
+    assert amp_compiler.state_dict(optimizer=second_optimizer)["loss_scaler0"]["loss_scale"] == 128.0
+    assert amp_compiler.state_dict() == {}   # Apex's argument-less one: the latest initialize's (disabled)
+    amp_compiler.load_state_dict({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0}}, optimizer=first_optimizer)
+    assert step(first, first_optimizer) == (4.0, True)
+    assert step(second, second_optimizer) == (128.0, True)
+    with pytest.raises(ValueError, match="different initialize"):
+        with amp_compiler.scale_loss(first(x).sum(), [first_optimizer, second_optimizer]):
+            pass
+
+
+def test_initialize_enabled_false_then_true_on_the_same_optimizer():
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_compiler.initialize(model, optimizer, opt_level="O2", enabled=False)
+    amp_compiler.initialize(model, optimizer, opt_level="O2", verbosity=0)   # the first changed nothing
+    assert model.weight.dtype == torch.float16
+    assert all(m.dtype == torch.float32 for m in amp_compiler.master_params(optimizer))
+
+
+def test_the_stash_owns_its_wrappers_and_unwrap_gives_the_optimizer_back():
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)   # its wrapper of step, before initialize
+    schedulers_step = optimizer.__dict__["step"]
+    amp_compiler.initialize(model, optimizer, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0)
+    stash = optimizer._amp_stash
+    from amp_compiler.train.low_weights import MasterWeights
+    assert isinstance(stash.masters, MasterWeights)   # low_weights()'s mechanism (LowWeights is one too)
+    assert [pair.low for pair in stash.pairs] == list(model.parameters())
+    assert {"step", "zero_grad", "add_param_group"} <= set(optimizer.__dict__)
+    assert len(optimizer._optimizer_step_post_hooks) == 1   # the copy master -> model
+    stash.unwrap()
+    assert optimizer.__dict__["step"] is schedulers_step
+    assert "zero_grad" not in optimizer.__dict__ and "add_param_group" not in optimizer.__dict__
+    assert not optimizer._optimizer_step_post_hooks
+    before = model.weight.detach().clone()
+    with amp_compiler.scale_loss(model(torch.ones(1, 3)).sum(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()   # the optimizer's own step: the masters move, the model is no longer copied into
+    scheduler.step()
+    assert torch.equal(model.weight, before)
+    assert not torch.equal(next(amp_compiler.master_params(optimizer)), before.float())

@@ -414,3 +414,36 @@ def test_a_graph_switched_by_the_mode_puts_back_masters_it_reads_in_fp32():
         if store:
             assert gm.out.bias.dtype == torch.float32 and "out.bias" not in {n for p in weights.pairs for n in p.names}
     torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)
+
+
+# -- the mechanism both O2 front ends share (low_weights() and Apex's initialize) -----------------------------------
+def test_master_weights_fold_unscale_and_copy():
+    """MasterWeights, which LowWeights and apex.OptimizerStash are built on: the fold adds the lows' gradients
+    into the masters' .grad in fp32 (a copy where none), unscaling on the way when given 1/scale and saying
+    whether any was inf/nan; the copy remakes the lows from the masters."""
+    from amp_compiler.train.low_weights import MasterPair, MasterWeights
+    masters = [nn.Parameter(torch.tensor([1.0, 2.0])), nn.Parameter(torch.tensor([3.0]))]
+    lows = [nn.Parameter(m.detach().to(torch.float16)) for m in masters]
+    weights = MasterWeights()
+    for low, master in zip(lows, masters):
+        weights.add_pair(MasterPair(low=low, master=master))
+    assert weights.master_of(lows[1]) is masters[1] and weights.master_of(masters[0]) is masters[0]
+    masters[1].grad = torch.tensor([0.5])
+    lows[0].grad = torch.tensor([8.0, 16.0], dtype=torch.float16)
+    lows[1].grad = torch.tensor([4.0], dtype=torch.float16)
+    assert weights.fold(inv_scale=0.25, clear_low=False) == (2, False)
+    assert torch.equal(masters[0].grad, torch.tensor([2.0, 4.0])) and torch.equal(masters[1].grad, torch.tensor([1.5]))
+    assert masters[0].grad.dtype == torch.float32 and lows[0].grad is not None   # clear_low=False keeps them
+    lows[1].grad = torch.tensor([float("inf")], dtype=torch.float16)
+    lows[0].grad = None
+    assert weights.fold(inv_scale=1.0) == (1, True) and lows[1].grad is None
+    assert weights.fold() == (0, False)
+    with torch.no_grad():
+        masters[0].mul_(3)
+    assert weights.copy_masters_to_low() == 2 and torch.equal(lows[0], torch.tensor([3.0, 6.0], dtype=torch.float16))
+    optimizer = torch.optim.SGD([masters[0]], lr=1.0)
+    handle = weights.copy_after_steps(optimizer)
+    masters[0].grad = torch.ones(2)
+    optimizer.step()
+    assert torch.equal(lows[0], torch.tensor([2.0, 5.0], dtype=torch.float16))
+    handle.remove()

@@ -1,5 +1,9 @@
 """O2 as Apex defines it: the weights only low-precision ops read are stored low, the optimizer steps fp32
-masters, and no forward casts a weight.
+masters, and no forward casts a weight. The mechanism itself is MasterWeights below: pairs of (low tensor the graphs
+read, fp32 master the optimizer steps), the copy master -> low after a step, the gradient fold low -> master. Its two
+front ends: low_weights() (LowWeights: a GraphModule of convert()'s gets new low copies, the user's parameters are
+the masters) and Apex's amp.initialize at O2 (amp_compiler/apex.py, OptimizerStash: the model's own parameters are
+cast low in place and new fp32 masters go into the optimizer).
 
     gm = amp_compiler.convert(model, "O2", dtype=torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters())      # steps the fp32 weights: the masters
@@ -51,11 +55,129 @@ from amp_compiler.passes.fx.runtime import is_cast
 ATTRIBUTE = "_amp_low_weights"
 
 
+# -- the one O2 mechanism -----------------------------------------------------------------------------------
 @dataclass(eq=False)   # compared by identity: its fields are tensors
-class _Pair:
-    master: nn.Parameter          # the user's fp32 parameter, stepped by the optimizer
-    low: nn.Parameter             # what gm holds and its graph reads
-    names: list[str]              # its names in gm (a tied weight has several)
+class MasterPair:
+    low: nn.Parameter             # what the model holds and its graphs read (fp16/bf16)
+    master: torch.Tensor          # its fp32 master: what the optimizer steps
+
+
+class MasterWeights:
+    """O2's (low tensor, fp32 master) pairs and the two moves between them: after an optimizer step the masters
+    are copied into the lows (one fused copy per device); after a backward the lows' gradients are folded into the
+    masters' .grad in fp32 (unscaled on the way when a loss scaler's 1/scale is given, the inf/nan check in the
+    same fused kernel). LowWeights below and apex.OptimizerStash are built on it; when they fold, and whether a
+    step may be skipped, stays theirs (see each)."""
+
+    def __init__(self) -> None:
+        self.pairs: list = []
+        self._by_low: dict[int, MasterPair] = {}
+        self._masters: set[int] = set()
+
+    def add_pair(self, pair: MasterPair) -> MasterPair:
+        self.pairs.append(pair)
+        self._by_low[id(pair.low)] = pair
+        self._masters.add(id(pair.master))
+        return pair
+
+    def _forget(self, pair: MasterPair) -> None:
+        self.pairs = [p for p in self.pairs if p is not pair]
+        self._by_low.pop(id(pair.low), None)
+        self._masters.discard(id(pair.master))
+
+    def pair_of(self, low: torch.Tensor) -> MasterPair | None:
+        return self._by_low.get(id(low))
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 master of a low tensor held here; any other parameter is its own master."""
+        pair = self._by_low.get(id(param))
+        return param if pair is None else pair.master
+
+    def holds_a_master(self, optimizer: torch.optim.Optimizer) -> bool:
+        return any(id(p) in self._masters for group in optimizer.param_groups for p in group["params"])
+
+    # -- master -> low -------------------------------------------------------------------------------------
+    def copy_masters_to_low(self, pairs: list | None = None) -> int:
+        """Remake the lows of `pairs` (all by default) from their masters; returns how many."""
+        pairs = self.pairs if pairs is None else pairs
+        fused_copy_([p.low for p in pairs], [p.master for p in pairs])
+        return len(pairs)
+
+    def copy_after_steps(self, optimizer: torch.optim.Optimizer | None = None):
+        """Copy after each real step of `optimizer` (a step post-hook it holds) or, given None, of any optimizer
+        that holds one of the masters (a global post-hook). A step skipped on overflow calls no step(), so it
+        copies nothing. Returns the hook's handle."""
+        me, every = weakref.ref(self), optimizer is None
+
+        def stepped(stepping, *_):
+            if (weights := me()) is not None and (not every or weights.holds_a_master(stepping)):
+                weights._stepped()
+        return register_optimizer_step_post_hook(stepped) if every else optimizer.register_step_post_hook(stepped)
+
+    def _stepped(self) -> None:
+        self.copy_masters_to_low()
+
+    # -- low -> master -------------------------------------------------------------------------------------
+    def fold(self, inv_scale: float | None = None, clear_low: bool = True) -> tuple[int, bool]:
+        """Add the lows' gradients into their masters' .grad in fp32 (a copy where a master has none, after
+        zero_grad), times `inv_scale` when given; with clear_low, every low's .grad is cleared after (a frozen
+        master's low's too). Returns (how many arrived, whether any was inf/nan: checked when unscaling)."""
+        arrived = [pair for pair in self.pairs if pair.low.grad is not None and pair.master.requires_grad]
+        adding = [pair for pair in arrived if pair.master.grad is not None]
+        fresh = [pair for pair in arrived if pair.master.grad is None]
+        for pair in fresh:
+            pair.master.grad = torch.empty_like(pair.master, memory_format=torch.preserve_format)
+        fused_copy_([p.master.grad for p in fresh], [p.low.grad for p in fresh])
+        # added as they are (_foreach_add_ casts them up), or cast up first to be unscaled before the sum
+        added = [p.low.grad if inv_scale is None else p.low.grad.float() for p in adding]
+        found = inv_scale is not None and unscale_([p.master.grad for p in fresh] + added, inv_scale)
+        with torch.no_grad():
+            by_device: dict[torch.device, tuple[list, list]] = {}
+            for pair, grad in zip(adding, added):
+                group = by_device.setdefault(pair.master.device, ([], []))
+                group[0].append(pair.master.grad)
+                group[1].append(grad)
+            for targets, grads in by_device.values():
+                torch._foreach_add_(targets, grads)
+        if clear_low:
+            for pair in self.pairs:
+                pair.low.grad = None
+        return len(arrived), found
+
+    # -- checkpoints: the module's state_dict holds the masters, load_state_dict writes them ----------------
+    def masters_in_state_dict(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
+        for name, param in module.named_parameters(remove_duplicate=False):
+            pair = self._by_low.get(id(param))
+            if pair is not None and prefix + name in state_dict:
+                state_dict[prefix + name] = pair.master.detach()
+
+    @torch.no_grad()
+    def load_into_masters(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
+        for name, param in module.named_parameters(remove_duplicate=False):
+            pair = self._by_low.get(id(param))   # a tied weight: every name given loads, in order, as into one
+            value = state_dict.get(prefix + name)
+            if pair is not None and isinstance(value, torch.Tensor) and value.shape == pair.master.shape:
+                pair.master.copy_(value)   # the module's own load then writes the low from the same value
+
+
+def unscale_(grads: list[torch.Tensor], inv_scale: float) -> bool:
+    """Multiply fp32 gradients by 1/scale in place (the fused kernel GradScaler uses); any inf/nan?"""
+    found = False
+    by_device: dict = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    for device, group in by_device.items():
+        flag = torch.zeros((), device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, torch.full((), inv_scale, device=device))
+        found = found or bool(flag.item())
+    return found
+
+
+# -- low_weights(gm, optimizer) -----------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Pair(MasterPair):
+    """low: what gm holds and its graph reads; master: the user's fp32 parameter, stepped by the optimizer."""
+    names: list[str] = field(default_factory=list)   # its names in gm (a tied weight has several)
     seen: tuple = ()              # the master's (version, data_ptr) when `low` was last made from it
     hook: object = None           # the copy's post-accumulate-grad hook
     slots: list = field(default_factory=list)   # (owner module's _parameters, name): where gm holds it
@@ -64,19 +186,21 @@ class _Pair:
         return self.master._version, self.master.data_ptr()
 
 
-class LowWeights:
+class LowWeights(MasterWeights):
     """The low copies of `gm`'s weights and their fp32 masters; see the module docstring. `remove()` puts the
-    masters back into gm and drops the hooks."""
+    masters back into gm and drops the hooks. The gradients fold at the end of each backward (no unscaling: a
+    GradScaler unscales the masters' .grad after), the copies are remade after any optimizer's step that holds
+    a master, and before a forward where a master moved otherwise."""
 
     def __init__(self, gm: fx.GraphModule, optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+        super().__init__()
         self.gm, self.dtype = gm, dtype
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         only_low, _ = _graph_reads(gm, dtype)
-        self.pairs = [_Pair(param, _low_copy(param, dtype), names) for param, names in _named_params(gm)
-                      if id(param) in only_low and param.dtype == torch.float32
-                      and id(param) in in_optimizer and param.requires_grad]
-        self._by_low = {id(pair.low): pair for pair in self.pairs}
-        self._masters = {id(pair.master) for pair in self.pairs}
+        for param, names in _named_params(gm):
+            if id(param) in only_low and param.dtype == torch.float32 and id(param) in in_optimizer \
+                    and param.requires_grad:
+                self.add_pair(_Pair(low=_low_copy(param, dtype), master=param, names=names))
         self._graph = _graphs_of(gm)      # the graphs analysed; a train/eval switch brings in others
         self._fold_task = None            # the autograd graph task whose end-of-backward fold is queued
         self._fold_after_backward = True  # False inside DDP's no_sync()
@@ -87,11 +211,9 @@ class LowWeights:
             pair.seen = pair.current()
             pair.slots = _put(gm, pair.names, pair.low)
             pair.hook = pair.low.register_post_accumulate_grad_hook(self._gradient_arrived)
-        me = weakref.ref(self)
-        # After any optimizer's real step that holds a master: a fused optimizer (AdamW(fused=True) on CPU)
-        # writes the masters without moving their version counters. A skipped step never calls step().
-        self._handles = [register_optimizer_step_post_hook(
-                             lambda optimizer, *_: (w := me()) is not None and w._stepped(optimizer)),
+        # After any optimizer's real step that holds a master (one built later from the masters too): a fused
+        # optimizer (AdamW(fused=True) on CPU) writes the masters without moving their version counters.
+        self._handles = [self.copy_after_steps(),
                          gm.register_forward_pre_hook(_before_forward),
                          gm.register_state_dict_post_hook(_masters_in_state_dict),
                          gm.register_load_state_dict_pre_hook(_load_into_masters)]
@@ -105,14 +227,13 @@ class LowWeights:
         """Remake the copies whose master changed (all of them with only_stale=False); returns how many."""
         stale = [pair for pair in self.pairs if not only_stale or pair.seen != pair.current()]
         if stale:
-            fused_copy_([p.low for p in stale], [p.master for p in stale])
+            self.copy_masters_to_low(stale)
             for pair in stale:
                 pair.seen = pair.current()
         return len(stale)
 
-    def _stepped(self, optimizer) -> None:
-        if any(id(p) in self._masters for group in optimizer.param_groups for p in group["params"]):
-            self.refresh(only_stale=False)
+    def _stepped(self) -> None:
+        self.refresh(only_stale=False)
 
     @contextlib.contextmanager
     def paused(self):
@@ -199,40 +320,9 @@ class LowWeights:
 
     def fold_gradients(self) -> int:
         """Add the copies' gradients into the masters' .grad (fp32) and clear them; returns how many."""
-        arrived = [pair for pair in self.pairs if pair.low.grad is not None and pair.master.requires_grad]
-        adding = [pair for pair in arrived if pair.master.grad is not None]
-        fresh = [pair for pair in arrived if pair.master.grad is None]   # after zero_grad(): copy, not add
-        for pair in fresh:
-            pair.master.grad = torch.empty_like(pair.master, memory_format=torch.preserve_format)
-        fused_copy_([p.master.grad for p in fresh], [p.low.grad for p in fresh])
-        with torch.no_grad():
-            for device_pairs in _by_device(adding):
-                torch._foreach_add_([p.master.grad for p in device_pairs], [p.low.grad for p in device_pairs])
-        for pair in self.pairs:   # a frozen master's copy's gradient goes too
-            pair.low.grad = None
-        return len(arrived)
-
-    # -- checkpoints -------------------------------------------------------------------------------------
-    def masters_in_state_dict(self, state_dict: dict, prefix: str) -> None:
-        for pair in self.pairs:
-            for name in pair.names:
-                if prefix + name in state_dict:
-                    state_dict[prefix + name] = pair.master.detach()
-
-    @torch.no_grad()
-    def load_into_masters(self, state_dict: dict, prefix: str) -> None:
-        for pair in self.pairs:
-            for name in pair.names:   # a tied weight: every name given loads, in order, as into one tensor
-                value = state_dict.get(prefix + name)
-                if isinstance(value, torch.Tensor) and value.shape == pair.master.shape:
-                    pair.master.copy_(value)   # gm's own load then writes the copy from the same value
+        return self.fold()[0]
 
     # -- the rest ----------------------------------------------------------------------------------------
-    def master_of(self, param: torch.Tensor) -> torch.Tensor:
-        """The fp32 master of a low copy gm holds; any other parameter is its own master."""
-        pair = self._by_low.get(id(param))
-        return param if pair is None else pair.master
-
     def nbytes(self) -> int:
         """What the copies cost (bytes): the price of casting no weight in the forward."""
         return sum(pair.low.numel() * pair.low.element_size() for pair in self.pairs)
@@ -242,9 +332,7 @@ class LowWeights:
         self.fold_gradients()
         pair.hook.remove()
         _put(self.gm, pair.names, pair.master)
-        self.pairs = [p for p in self.pairs if p is not pair]
-        self._by_low.pop(id(pair.low), None)
-        self._masters.discard(id(pair.master))
+        self._forget(pair)
 
     def remove(self) -> None:
         """Put the fp32 masters back into gm (its graph casts them again) and drop every hook."""
@@ -286,12 +374,12 @@ def _before_forward(module, args) -> None:
 
 def _masters_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
     if (weights := _weights_of(module)) is not None:
-        weights.masters_in_state_dict(state_dict, prefix)
+        weights.masters_in_state_dict(module, state_dict, prefix)
 
 
 def _load_into_masters(module, state_dict, prefix, *rest) -> None:
     if (weights := _weights_of(module)) is not None:
-        weights.load_into_masters(state_dict, prefix)
+        weights.load_into_masters(module, state_dict, prefix)
 
 
 def low_weights(gm: fx.GraphModule, optimizer: torch.optim.Optimizer) -> LowWeights:
@@ -413,10 +501,3 @@ def fused_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> Non
         group[1].append(source)
     for device_targets, device_sources in by_device.values():
         torch._foreach_copy_(device_targets, device_sources)
-
-
-def _by_device(pairs: list[_Pair]) -> list[list[_Pair]]:
-    groups: dict[torch.device, list[_Pair]] = {}
-    for pair in pairs:
-        groups.setdefault(pair.master.device, []).append(pair)
-    return list(groups.values())
