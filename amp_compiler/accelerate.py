@@ -46,7 +46,7 @@ from torch import nn
 import amp_compiler
 from amp_compiler.converted import compiled_record
 from amp_compiler.train.loss_scale import LossScaleManager
-from amp_compiler.train.overflow_report import locate_overflow
+from amp_compiler.train.overflow_report import locate_overflow, replay_rng
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
 log = logging.getLogger("amp_compiler.accelerate")
@@ -175,7 +175,7 @@ def explain_overflow(accelerator, model: nn.Module, compute_loss: Callable[[], t
     def replay():   # no gradient all-reduce: every rank skipped the step and replays it on its own
         with accelerator.no_sync(model):
             (compute_loss().float() * scale).backward()
-    with torch.random.fork_rng(devices=[]):
+    with replay_rng():   # from where the stream is (compute_loss is the user's); training's stream untouched
         return locate_and_record(accelerator.unwrap_model(model), replay, scaler, log)
 
 

@@ -38,6 +38,7 @@ from transformers import Trainer, TrainerCallback
 from amp_compiler.accelerate import (checked_scaler, convert_once, install_scaler, locate_and_record,
                                      refuse_builtin_mixed_precision, refuse_deepspeed)
 from amp_compiler.train.loss_scale import LossScaleManager
+from amp_compiler.train.overflow_report import replay_rng, rng_state
 
 log = logging.getLogger("transformers.amp_compiler")
 
@@ -79,7 +80,7 @@ class AmpTrainerMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.amp_scaler is not None and self.amp_skipped_steps == 0:
-            self._amp_last_micro_batch = (model, inputs, num_items_in_batch, _rng_state(), self.amp_scaler.get_scale())
+            self._amp_last_micro_batch = (model, inputs, num_items_in_batch, rng_state(), self.amp_scaler.get_scale())
         return super().training_step(model, inputs, num_items_in_batch)
 
     def amp_step_skipped(self) -> None:
@@ -93,7 +94,7 @@ class AmpTrainerMixin:
         self._amp_last_micro_batch = None
 
         def replay():   # the Trainer's own training_step, scaled as the skipped step was, with no all-reduce
-            with _rng_restored(rng), _scaled_by(self.accelerator, scale), self.accelerator.no_sync(model):
+            with replay_rng(rng), _scaled_by(self.accelerator, scale), self.accelerator.no_sync(model):
                 super(AmpTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
         self.amp_overflow_report = locate_and_record(self.accelerator.unwrap_model(model), replay,
                                                      self.amp_scaler, log)
@@ -163,19 +164,3 @@ def _scaled_by(accelerator, scale: float):
         yield
     finally:
         accelerator.scaler = scaler
-
-
-def _rng_state() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _rng_restored(state: tuple):
-    """Dropout draws the masks the skipped step drew; training's RNG stream continues as if nothing ran."""
-    cpu, cuda = state
-    with torch.random.fork_rng(devices=range(len(cuda)) if cuda is not None else []):
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        yield

@@ -41,7 +41,6 @@ import contextlib
 import logging
 from typing import Any, Callable
 
-import amp_compiler.models.torchvision_ops  # noqa: F401 - before lightning: torchmetrics imports torchvision
 import torch
 from torch import nn
 from torch.optim import LBFGS
@@ -56,7 +55,7 @@ from amp_compiler.converted import compiled_record
 from amp_compiler.dynamo.fp8_histories import pop_history_keys
 from amp_compiler.dynamo.in_place import load_histories
 from amp_compiler.train.loss_scale import LossScaleManager
-from amp_compiler.train.overflow_report import locate_overflow
+from amp_compiler.train.overflow_report import locate_overflow, replay_rng, rng_state
 
 LOW_DTYPES = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
 SUMMARY_LINES = 6      # explain()'s opening lines logged at fit start: header, nodes, islands
@@ -227,7 +226,7 @@ class AmpPrecision(ScalerHooks, Precision):
             self.amp.after_step()
             return result
         _refuse_lbfgs(optimizer)
-        rng_before = _rng_state()
+        rng_before = rng_state()
         closure_result = closure()
         # in automatic optimization a training_step that returned None skipped backward: nothing to unscale
         skip_unscaling = closure_result is None and model.automatic_optimization
@@ -267,7 +266,7 @@ class AmpFabricPrecision(ScalerHooks, FabricPrecision):
 
     def convert_input(self, data: Any) -> Any:
         if self.scaler is not None:   # only fp16 steps are skipped and replayed
-            self._last_call = (data, _rng_state())
+            self._last_call = (data, rng_state())
         return data
 
     def backward(self, tensor: torch.Tensor, model, *args: Any, **kwargs: Any) -> None:
@@ -300,7 +299,7 @@ class AmpFabricPrecision(ScalerHooks, FabricPrecision):
         model = self.amp.model   # the module itself, not Fabric's (DDP) wrapper: no collectives in the replay
 
         def replay():
-            with _rng_restored(rng):
+            with replay_rng(rng):
                 return model(*args, **kwargs)
         return replay
 
@@ -337,7 +336,7 @@ def _closure_replay(model, closure: Callable[[], Any], rng_before) -> Callable[[
     no_sync = wrapper.no_sync if isinstance(wrapper, nn.parallel.DistributedDataParallel) else contextlib.nullcontext
 
     def replay():
-        with _rng_restored(rng_before), no_sync():
+        with replay_rng(rng_before), no_sync():
             return closure()
     return replay
 
@@ -349,27 +348,6 @@ def _replayed_step(model) -> str:
         return (f"step (only the last of the {accumulated} accumulated micro-batches: the overflow may be in an "
                 "earlier one)")
     return "step"
-
-
-def _rng_state() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _rng_restored(state: tuple):
-    """Run with the RNG as it was at `state`, then put back the state it had (training continues unchanged)."""
-    now = _rng_state()
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(now[0])
-        if now[1] is not None:
-            torch.cuda.set_rng_state_all(now[1])
 
 
 def _log_on_rank_zero(logger: logging.Logger, level: int, message: str) -> None:

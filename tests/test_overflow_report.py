@@ -20,7 +20,7 @@ from amp_compiler.passes.node_facts import facts
 from amp_compiler.train import overflow_report
 from amp_compiler.train.grad_scaler import GradScaler
 from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager
-from amp_compiler.train.overflow_report import OverflowReport, locate_overflow
+from amp_compiler.train.overflow_report import OverflowReport, locate_overflow, replay_rng, rng_state
 
 FP16_MAX = torch.finfo(torch.float16).max
 PLANTED = 1000.0          # every weight of the planted Linear; inputs of 10 over 8 features: 80000 > FP16_MAX
@@ -209,19 +209,31 @@ def test_a_plain_loop_with_grad_scaler_records_where_its_skipped_step_overflowed
     scaler = GradScaler("cpu", init_scale=2.0 ** 4)
     x = inputs()
     weights = [p.detach().clone() for p in model.parameters()]
-    scale, rng = scaler.get_scale(), torch.get_rng_state()
+    scale, rng = scaler.get_scale(), rng_state()
     scaler.scale(model(x).sum()).backward()
     scaler.step(optimizer)
     scaler.update()
     assert scaler.last_overflow and all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
 
     def replay():   # the README's recipe: the step's scale and RNG state, the training's stream kept
-        with torch.random.fork_rng():
-            torch.set_rng_state(rng)
+        with replay_rng(rng):
             (model(x).sum() * scale).backward()
 
     report = scaler.record_overflow(locate_overflow(model, replay))
     assert scaler.last_overflow_report is report and report.forward["module"] == "layers.1.up"
+
+
+def test_replay_rng_starts_from_the_steps_state_and_leaves_the_training_stream_as_it_was():
+    # the one RNG fork every integration's replay runs under (Lightning, Trainer, Fabric, Accelerate)
+    state = rng_state()
+    step_draw = torch.rand(4)          # what the skipped step drew (dropout masks)
+    stream = torch.get_rng_state()
+    with replay_rng(state):
+        assert torch.equal(torch.rand(4), step_draw)
+    assert torch.equal(torch.get_rng_state(), stream)
+    with replay_rng():                 # no state (Accelerate: the user's compute_loss): from where the stream is
+        torch.rand(100)
+    assert torch.equal(torch.get_rng_state(), stream)
 
 
 class Wrapper(nn.Module):

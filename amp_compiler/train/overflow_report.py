@@ -20,7 +20,8 @@ calls: each is swapped the same way, and the modules inside a compiled forward g
 hook there would make dynamo compile again); code dynamo runs between graphs (a graph break) is not checked.
 
 The replay leaves the model as it found it: graphs' forwards, hooks, buffers (batch-norm statistics) and
-every parameter's .grad are restored; the caller restores the RNG state so dropout draws the same masks.
+every parameter's .grad are restored. The RNG is the replay's own (`replay_rng`): started from `rng_state()`
+taken when the step began, dropout draws the same masks, and training's stream continues as if nothing ran.
 Nothing in the checking raises: a failure there ends the checks and the report says what was found so far.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -102,7 +103,8 @@ def locate_overflow(model: nn.Module, replay) -> OverflowReport | None:
     """Replay an overflowed step with per-node inf/nan checks; None when the replay stays finite.
 
     `replay()` runs the same forward and backward once more: same batch, same loss scale, same RNG state
-    (restore it inside replay, e.g. under torch.random.fork_rng(), so the training's stream is untouched).
+    (run it under `replay_rng(state)`, with `state = rng_state()` taken when the step began, so the training's
+    stream is untouched).
     The model, its graphs and the parameters' .grad are left as they were; this never raises."""
     finder, parameters = _Finder(), []
     try:
@@ -119,6 +121,30 @@ def locate_overflow(model: nn.Module, replay) -> OverflowReport | None:
     if finder.forward is None and finder.backward is None and not finder.parameters and finder.note is None:
         return None
     return OverflowReport(finder.forward, finder.backward, finder.parameters, _precision_of(model), finder.note)
+
+
+def rng_state() -> tuple:
+    """The RNG state a replay starts from: the CPU generator's and, where CUDA is in use, every device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if _cuda_in_use() else None
+
+
+@contextmanager
+def replay_rng(state: tuple | None = None):
+    """Run a replay on a fork of the RNG: from `state` (an `rng_state()`: dropout draws the masks the skipped
+    step drew), or from where the stream is when there is none; afterwards training's stream continues as if
+    the replay never ran. The CPU generator is forked, and every CUDA device where CUDA is in use."""
+    devices = range(torch.cuda.device_count()) if _cuda_in_use() else []
+    with torch.random.fork_rng(devices=devices):
+        if state is not None:
+            cpu, cuda = state
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+        yield
+
+
+def _cuda_in_use() -> bool:   # never initializes CUDA for a CPU run
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 # --- what was seen ------------------------------------------------------------------------------------
