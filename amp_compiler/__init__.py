@@ -1,8 +1,4 @@
 """amp-compiler: automatic mixed precision as fx graph passes, with every decision explained."""
-from amp_compiler import legacy_names
-
-legacy_names.install()   # before anything else: files saved by the previous release name old modules
-from amp_compiler.legacy_names import load
 from amp_compiler.train.bad_steps import NonFiniteGradientsError
 from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.convert import convert
@@ -30,15 +26,15 @@ __all__ += ["LossScaleManager", "FixedLossScaleManager", "DynamicLossScaleManage
             "TrainStep", "low_weights", "LowWeights"]
 __all__ += ["GradScaler", "Overflow", "NonFiniteGradientsError"]
 __all__ += ["diff", "PrecisionDiff", "render", "compare", "ComparisonReport", "FP16RangeWarning", "HookWarning"]
-__all__ += ["freeze", "frozen_bytes", "load", "restore"]
+__all__ += ["freeze", "frozen_bytes", "restore"]
 __all__ += ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict"]
-__all__ += ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionReport", "ValidationReport"]
+__all__ += ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionReport"]
 __version__ = "0.2.0"
 
 # The ONNX names load onnx, onnx_ir and onnxruntime on first use, not with the package (PEP 562); the Apex
 # names load on first use too.
 _ONNX_NAMES = {"export_onnx": "onnx.export", "convert_onnx": "onnx.convert", "validate_onnx": "onnx.validate",
-               "OnnxConversionReport": "onnx.report", "ValidationReport": "onnx.validate",
+               "OnnxConversionReport": "onnx.report",
                # Apex's amp API (apex.py), for code migrating from `from apex import amp`
                "initialize": "apex", "scale_loss": "apex", "master_params": "apex", "state_dict": "apex",
                "load_state_dict": "apex"}

@@ -221,7 +221,7 @@ def test_loop_body_is_converted_in_place(tmp_path):
 
 # 8. Models over 2 GB go through external data (tested with a small threshold).
 def test_large_models_are_written_with_external_data(tmp_path, monkeypatch):
-    from amp_compiler import onnx_files
+    from amp_compiler.onnx import files as onnx_files
     monkeypatch.setattr(onnx_files, "EXTERNAL_DATA_THRESHOLD_BYTES", 10)
     monkeypatch.setattr(onnx_files, "EXTERNAL_TENSOR_MIN_BYTES", 16)
     src = save(shared_initializer_model(), tmp_path, "src.onnx")

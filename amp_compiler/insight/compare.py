@@ -78,13 +78,6 @@ class NodeError:
         return (f"{self.node} ({self.op}{where}){value} {self.dtype}: max abs {self.max_abs:.3g}, "
                 f"{self.max_rel:.3g} of scale, {self.ulps:.3g} ulp{inf}")
 
-    # validate_onnx's former TensorError and DriftingNode attribute names
-    name = property(lambda self: self.value or self.node)
-    max_abs_error = property(lambda self: self.max_abs)
-    max_rel_error = property(lambda self: self.max_rel)
-    op_type = property(lambda self: self.op)
-    error = property(lambda self: self)
-
 
 @dataclass
 class ComparisonReport:
@@ -104,11 +97,6 @@ class ComparisonReport:
     @property
     def passed(self) -> bool:
         return all(error.ok for error in self.outputs)
-
-    # validate_onnx's former ValidationReport attribute names
-    path = property(lambda self: self.source)
-    first_drift = property(lambda self: self.first_failure)
-    intermediates_compared = property(lambda self: len(self.errors))
 
     def __str__(self) -> str:
         verdict = "passed (outputs within tolerance)" if self.passed else "FAILED (outputs past tolerance)"

@@ -8,8 +8,7 @@
 
 The report is compare()'s ComparisonReport (amp_compiler/insight/compare.py): the same per-node errors
 (max abs, relative to the value's scale, ulp, non-finite), the first node past tolerance and the chain of
-worst inputs that leads to it; ValidationReport is its name here, TensorError and DriftingNode its
-NodeError (with their old attribute names: max_abs_error, first_drift, intermediates_compared, ...).
+worst inputs that leads to it.
 
 The checker runs with full_check on the file's path (so external data and >2 GB models work). On ONNX
 Runtime's CPU provider most fp16 ops run in fp32 internally, so a CPU run checks loading, types and rough
@@ -34,22 +33,13 @@ from amp_compiler.passes.onnx.spec import is_float_value
 
 CPU_NOTE = ("CPUExecutionProvider runs most fp16 ops in fp32: this checks loading, types and rough agreement, "
             "not fp16 overflow or rounding")
-
-
-class ValidationReport(ComparisonReport):
-    """compare()'s report, as validate_onnx makes it (the name earlier releases exported)."""
-
-
-TensorError = DriftingNode = NodeError     # earlier names of validate_onnx's per-value errors
-
-
 DEFAULT_RTOL = 1e-2
 FLOAT8_TYPES = (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E4M3FNUZ, ir.DataType.FLOAT8E5M2,
                 ir.DataType.FLOAT8E5M2FNUZ)
 
 
 def validate_onnx(path, reference, inputs, *, rtol: float | None = None, atol: float = 1e-2,
-                  compare_intermediates: bool = False) -> ValidationReport:
+                  compare_intermediates: bool = False) -> ComparisonReport:
     """Run the model at `path` and its fp32 reference (an ONNX path or the nn.Module) on `inputs`.
     rtol: relative to each value's scale; default 1e-2, or compare()'s FP8_RTOL for a file that computes
     in float8 (float8 weights, or QuantizeLinear to float8: default_onnx_rtol)."""
@@ -78,7 +68,7 @@ def validate_onnx(path, reference, inputs, *, rtol: float | None = None, atol: f
     for value, ref in zip(candidate.graph.outputs, reference_outputs):
         producer = producers.get(value.name)
         outputs.append(_error(ours[value.name], ref, low, rtol, atol, producer, value.name))
-    report = ValidationReport(low, rtol, [], outputs, notes=notes, atol=atol, source=path, providers=providers,
+    report = ComparisonReport(low, rtol, [], outputs, notes=notes, atol=atol, source=path, providers=providers,
                               rtol_from=rtol_from)
     if compare_intermediates:
         _compare_intermediates(report, candidate, producers, ours, theirs)
@@ -132,7 +122,7 @@ def _output_names(path: str) -> list[str]:
     return [o.name for o in load_onnx_model(path).graph.outputs]
 
 
-def _compare_intermediates(report: ValidationReport, candidate: ir.Model, producers: dict, ours: dict,
+def _compare_intermediates(report: ComparisonReport, candidate: ir.Model, producers: dict, ours: dict,
                            theirs: dict) -> None:
     """Every float value both runs computed, in graph order; the first past tolerance and its chain."""
     errors = {}

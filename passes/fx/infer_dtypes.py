@@ -17,8 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from amp_compiler.passes.fx.runtime import FLOAT_DTYPES, is_float  # noqa: F401 (FLOAT_DTYPES: a name saved modules of the previous release import from here)
-from amp_compiler.passes.policy.numerics import dtype_name  # noqa: F401 (as FLOAT_DTYPES)
+from amp_compiler.passes.fx.runtime import is_float
 from amp_compiler.passes.policy.op_policy import POLICY
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.node_facts import facts

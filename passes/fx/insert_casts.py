@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from amp_compiler.passes.fx.aliases import written_value, written_views
-from amp_compiler.passes.fx.runtime import amp_cast, is_cast, is_float  # noqa: F401 (is_cast: re-exported for the previous release)
+from amp_compiler.passes.fx.runtime import amp_cast, is_float
 from amp_compiler.passes.policy.numerics import dtype_name
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.node_facts import facts

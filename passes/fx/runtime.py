@@ -11,7 +11,7 @@
 Each is a `graph_leaf`: torch.load re-creates a GraphModule by tracing its generated code again;
 torch.fx.wrap only covers calls by the wrapped name inside the module that wrapped it, so without this
 the re-trace would run the function's body on proxies (amp_cast would silently become a no-op).
-Saved files name these by module path: moving one breaks old files (amp_compiler/legacy_names.py).
+Saved files name these by module path: moving one breaks files saved before the move (no old name is kept).
 """
 from __future__ import annotations
 

@@ -27,10 +27,6 @@ class OpRule:
     family: str
     reason: str
 
-    @property
-    def cls(self) -> str:   # the previous release's name, kept for one release
-        return self.op_class
-
 
 def _rules(op_class: str, family: str, reason: str, ops: str) -> list[OpRule]:
     return [OpRule(op, op_class, family, reason) for op in ops.split()]
