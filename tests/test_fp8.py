@@ -17,6 +17,7 @@ from torch import nn
 import amp_compiler
 from amp_compiler.passes.fx.fp8_runtime import (E4M3, E5M2, FP8_MAX, current_scale, fp8_linear, fp8_matmul,
                                                 quantize, saturating_cast)
+from amp_compiler.passes.policy.fp8 import FP8_FORMATS, power_of_two_scale
 from models import build
 
 UNIT_ROUNDOFF = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
@@ -92,6 +93,22 @@ def test_current_scale_is_the_largest_power_of_two_that_fits(fp8_dtype, margin):
     finite = torch.isfinite(amaxes) & (amaxes > 1e-12)
     assert (amaxes[finite].double() * scales[finite] * 2 ** margin <= FP8_MAX[fp8_dtype]).all()
     assert torch.equal(torch.frexp(scales[scales > 0])[0], torch.full_like(scales[scales > 0], 0.5))   # 2**k
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("margin", [0, 1, 30])
+def test_the_plain_python_scale_is_the_runtimes_to_the_bit(fp8_dtype, margin):
+    """policy/fp8.py's power_of_two_scale (the ONNX pass's weight and static scales, no torch) is current_scale
+    for one amax: over the whole float32 range, at powers of two and at 448 * 2**k and one ulp either side."""
+    edges = [2.0 ** e for e in range(-149, 128)] + [448 * 2.0 ** e for e in range(-140, 118)]
+    randoms = torch.exp(torch.empty(2000).uniform_(-103, 88, generator=torch.Generator().manual_seed(1))).tolist()
+    amaxes = [0.0, -0.0, 1e-12, 1e-13, 1e-45, 3.4e38, 3.5e38, 1e39, math.inf, math.nan, *randoms, *edges,
+              *(math.nextafter(a, math.inf) for a in edges), *(math.nextafter(a, 0.0) for a in edges)]
+    runtime = current_scale(torch.tensor(amaxes, dtype=torch.float32), fp8_dtype, margin).tolist()
+    name = str(fp8_dtype).removeprefix("torch.")
+    assert FP8_FORMATS[name] == float(torch.finfo(fp8_dtype).max) == FP8_MAX[fp8_dtype]
+    plain = [power_of_two_scale(amax, name, margin) for amax in amaxes]
+    assert [(a, p) for a, p, r in zip(amaxes, plain, runtime) if p != r] == []
 
 
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])

@@ -83,3 +83,41 @@ def test_the_checks_see_the_imports_they_judge():
     assert graph.has_edge("amp_compiler.insight.report", "amp_compiler.converted")
     assert not nx.has_path(graph, "amp_compiler.insight.report", "amp_compiler.dynamo.compile")   # the seam
     assert len(MODULES) > 100 and sum(len(imports) for imports in EDGES.values()) > 500
+
+
+def _reachable(start: str) -> set[str]:
+    graph = _graph()
+    return {start} | nx.descendants(graph, start)
+
+
+def _imports_torch(name: str) -> bool:
+    """The module imports torch itself (at its top or inside a function)."""
+    for node in ast.walk(ast.parse(MODULES[name].read_text(), str(MODULES[name]))):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            return True
+    return False
+
+
+def test_the_policy_and_the_onnx_passes_reach_no_fx_pass():
+    """policy/ is IR-neutral and onnx/ is the other IR: neither imports passes/fx, however indirectly."""
+    leaks = [f"{name} reaches {sorted(m for m in _reachable(name) if m.startswith('amp_compiler.passes.fx'))}"
+             for name in MODULES if name.startswith(("amp_compiler.passes.policy", "amp_compiler.passes.onnx"))
+             and any(m.startswith("amp_compiler.passes.fx") for m in _reachable(name))]
+    assert not leaks, "\n".join(leaks)
+
+
+# Modules every ONNX pass reaches that still import torch themselves: node_facts (for one annotation) and
+# policy/numerics (torch.finfo, dtype_name's isinstance, the fx passes' module-type sets). Not the fp8 pass's own.
+TORCH_SHARED_WITH_EVERY_ONNX_PASS = {"amp_compiler.passes.node_facts", "amp_compiler.passes.policy.numerics"}
+
+
+def test_the_onnx_fp8_pass_and_the_fp8_policy_import_no_torch():
+    """The fp8 facts both IRs share (policy/fp8.py: formats, scale rule, options) are plain Python, and the ONNX
+    fp8 pass computes its weights' float8 codes with numpy: neither reaches torch but through the shared two."""
+    for start in ("amp_compiler.passes.onnx.lower_fp8_matmuls", "amp_compiler.passes.policy.fp8",
+                  "amp_compiler.passes.policy.rules"):
+        importing = sorted(m for m in _reachable(start) if _imports_torch(m))
+        assert set(importing) <= TORCH_SHARED_WITH_EVERY_ONNX_PASS, f"{start} reaches torch through {importing}"
+    assert not any(_imports_torch(m) for m in _reachable("amp_compiler.passes.policy.fp8"))

@@ -115,6 +115,36 @@ def test_two_matmuls_read_float8_operands_and_the_ragged_one_keeps_float16(expor
     assert report.pass_counts["lower_fp8_matmuls"]["fp8"] == 2
 
 
+def test_export_decides_once_and_writes_each_fp8_matmul_as_its_marker():
+    """export_onnx's graph is lowered once: the fx pass decides as convert() does (the same rules, node by node)
+    and writes each fp8 matmul as its export marker on the operands it would quantize, calibrated amax last, with
+    no scaling nodes and no _scaled_mm to take apart again; the report lists no fp8 scaling rows."""
+    from amp_compiler.frontend import capture
+    from amp_compiler.graph_conversion import compile_graph
+    from amp_compiler.onnx.convert import onnx_config
+    from amp_compiler.onnx.export import export_config
+    from amp_compiler.passes.fx import fp8_runtime
+    from amp_compiler.passes.node_facts import facts
+    from amp_compiler.passes.policy.fp8 import NO_AMAX
+    model, x = model_and_input()
+    captured = capture(model, (x,))
+    marked = compile_graph(captured, export_config("fp8", fp8_min_dim=16))
+    scaled = compile_graph(captured, onnx_config("export_onnx", "fp8", fp8_min_dim=16))
+    targets = [n.target for n in marked.graph.nodes if n.op == "call_function"]
+    assert targets.count(fp8_runtime.FP8_EXPORT_LINEAR) == 2
+    helpers = {fp8_runtime.fp8_amax, fp8_runtime.fp8_scale, fp8_runtime.fp8_cast, fp8_runtime.fp8_scaled_linear}
+    assert not helpers & set(targets) and helpers <= {n.target for n in scaled.graph.nodes}
+    markers = [n for n in marked.graph.nodes if n.target is fp8_runtime.FP8_EXPORT_LINEAR]
+    assert all(len(n.args) == 4 and n.args[3] == NO_AMAX for n in markers)
+    decided = lambda gm: {n.name: facts(n)["rule"] for n in gm.graph.nodes if facts(n).get("family") == "matmul"}  # noqa: E731
+    assert decided(marked) == decided(scaled) and len(decided(marked)) == 3
+
+
+def test_the_report_lists_no_torch_scaling_nodes(exported):
+    _, _, _, report = exported
+    assert not [r for r in report.rows if r["op"] in ("fp8_amax", "fp8_scale", "fp8_cast")]
+
+
 def test_weight_scales_are_the_smallest_powers_of_two_that_hold_the_weight(exported):
     model, _, path, _ = exported
     proto = onnx.load(path)
@@ -284,6 +314,23 @@ def test_a_weight_two_matmuls_read_is_stored_once_in_float8(tmp_path):
         assert not [t for t in proto.graph.initializer if tuple(t.dims) == (32, 32) and
                     t.data_type != onnx.TensorProto.FLOAT8E4M3FN], path.name   # no fp16/fp32 copy left
         assert relative(run_onnx(path, x), model(x).detach().numpy()) < FP8_ERROR
+
+
+def test_the_float8_weight_codes_round_as_torchs_cast():
+    """The ONNX pass writes a weight's e4m3 codes with numpy (ml_dtypes; it imports no torch): the codes torch's
+    saturating cast gives, at every e4m3 value, every midpoint between two (ties to even) and one float32 ulp
+    either side, subnormals included, and on a stride through every float32 bit pattern."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    codes = np.sort(codes[np.isfinite(codes)])
+    middles = ((codes[:-1].astype(np.float64) + codes[1:]) / 2).astype(np.float32)
+    strided = np.arange(0, 2 ** 32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    values = np.concatenate([codes, middles, np.nextafter(middles, np.float32(np.inf)),
+                             np.nextafter(middles, np.float32(-np.inf)), strided[np.isfinite(strided)]])
+    values = np.clip(values, -448, 448)   # the pass clamps first, as saturating_cast does
+    from_numpy = values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    from_torch = torch.from_numpy(values.copy()).to(E4M3).view(torch.uint8).numpy()
+    assert np.array_equal(from_numpy, from_torch)
 
 
 def test_a_source_below_opset_21_is_raised(tmp_path):

@@ -17,16 +17,18 @@ The precision of every op is the one convert() chose, with what inference change
   (store_moved_weights_low) and a tied LM head's transposed copy (store_tied_weights_once);
 - a weight that fp16 cannot hold (|x| > 65504) would reach the graph as inf, so the nodes reading it are
   compiled again from the same capture with force_fp32 and keep it exact;
-- at level "fp8" (float16 around the matmuls by default: ONNX Runtime runs no bfloat16), each matmul convert()
-  lowered to fp8 is exported through a marker op (fp8_linear -> FP8_EXPORT_OPS) that torch.onnx writes as a
-  plain MatMul tagged with its origin; lower_fp8_matmuls then gives exactly those nodes their float8 operands
-  (passes/onnx/lower_fp8_matmuls.py): FLOAT8E4M3FN weights, Q/DQ activations, opset >= 21. The activation
-  scales are computed in the graph, or static with calibration_data (convert()'s measure of each matmul's x).
+- at level "fp8" (float16 around the matmuls by default: ONNX Runtime runs no bfloat16), convert() decides
+  which matmuls run fp8, once (passes/fx/lower_fp8_matmuls.py), and writes each as a call of its export marker
+  (Fp8Options.form "export_marker": fp8_runtime.FP8_EXPORT_LINEAR/_MATMUL, no scaling nodes), which
+  FP8_TRANSLATIONS writes as a plain MatMul tagged with its origin; the ONNX lower_fp8_matmuls then gives
+  exactly those nodes their float8 operands (passes/onnx/lower_fp8_matmuls.py): FLOAT8E4M3FN weights, Q/DQ
+  activations, opset >= 21. The activation scales are computed in the graph, or static with calibration_data
+  (convert()'s measure of each matmul's x, carried by the marker).
 """
 from __future__ import annotations
 
 import contextlib
-import inspect
+import dataclasses
 import logging
 import operator
 import os
@@ -51,11 +53,10 @@ from amp_compiler.insight.report import explain
 from amp_compiler.passes.fx.canonicalize import canonicalize
 from amp_compiler.passes.fx.fold_batch_norms import (find_foldable_batch_norms, fold_batch_norms_in_aten_graph,
                                                      fold_batch_norms_in_graph)
-from amp_compiler.passes.fx import fp8_runtime
+from amp_compiler.passes.fx.fp8_runtime import FP8_EXPORT_LINEAR, FP8_EXPORT_MATMUL
 from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place_in_graph
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
-from amp_compiler.passes.onnx.lower_fp8_matmuls import (FP8_EXPORT_NAMESPACE, NO_AMAX, fp8_opset,
-                                                        onnx_recipe)
+from amp_compiler.passes.onnx.lower_fp8_matmuls import fp8_opset, onnx_recipe
 from amp_compiler.passes.onnx.spec import is_float_type
 from amp_compiler.passes.painting.calibrate_ranges import check_calibration_data
 from amp_compiler.passes.policy.numerics import FP16_MAX
@@ -80,7 +81,7 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
     args = args if isinstance(args, tuple) else (args,)
     check_calibration_data(calibration_data)
     calibration_data = list(calibration_data) if calibration_data is not None else None   # read by each compile
-    config = onnx_config("export_onnx", level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
+    config = export_config(level, dtype=dtype, keep_io_types=keep_io_types, **overrides)
     # steps: capture, convert, torch.onnx.export, each export pass, save
     with ConversionProgress(3 + len(EXPORT_PIPELINE.passes) + 1, enabled=progress, desc="export_onnx") as steps:
         steps.advance("capture")
@@ -99,13 +100,13 @@ def export_onnx(model: nn.Module, args, path, level: str = "O1", dtype=torch.flo
         kept, notes = _weights_beyond_fp16(gm) if config.low_dtype == torch.float16 else ((), [])
         if kept:   # the same capture, compiled again with the nodes reading those weights forced fp32
             force = (*_as_tuple(overrides.pop("force_fp32", ())), *kept)
-            gm = compile_graph(captured, onnx_config("export_onnx", level, dtype=dtype, keep_io_types=keep_io_types,
-                                                     force_fp32=force, **overrides), calibration_data)
+            gm = compile_graph(captured, export_config(level, dtype=dtype, keep_io_types=keep_io_types,
+                                                       force_fp32=force, **overrides), calibration_data)
         gm.eval()
         rows = export_rows(gm, config)
         steps.advance("torch.onnx.export")
         try:
-            onnx_model = _export(mark_fp8_matmuls(gm), args, dynamic_shapes, fp8=config.fp8 is not None)
+            onnx_model = _export(gm, args, dynamic_shapes, fp8=config.fp8 is not None)
         except Exception as error:
             failed = autograd_function_failure(gm, model, error)
             if failed is None:
@@ -138,29 +139,13 @@ def export_rows(gm: fx.GraphModule, config: AmpConfig | None = None) -> list[dic
             for r in explained.rows]
 
 
-# export_onnx's stand-ins for the fp8 matmuls (fp8_runtime.py calls torch._scaled_mm, which torch.onnx cannot
-# write): opaque ops torch.export keeps whole, written by FP8_TRANSLATIONS as a plain MatMul whose metadata
-# names the marker, which lower_fp8_matmuls finds and lowers. Computed in the operands' dtype. x_amax: the
-# calibrated max |x| (-1: none), which the metadata's copy of the call carries to lower_fp8_matmuls.
-@torch.library.custom_op(f"{FP8_EXPORT_NAMESPACE}::linear", mutates_args=())
-def _fp8_linear_marker(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       x_amax: float) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-@_fp8_linear_marker.register_fake
-def _(x, weight, bias, x_amax):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@torch.library.custom_op(f"{FP8_EXPORT_NAMESPACE}::matmul", mutates_args=())
-def _fp8_matmul_marker(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, x_amax: float) -> torch.Tensor:
-    return torch.matmul(a, b) if bias is None else torch.addmm(bias, a, b)
-
-
-@_fp8_matmul_marker.register_fake
-def _(a, b, bias, x_amax):
-    return a.new_empty((*a.shape[:-1], b.shape[-1]))
+def export_config(level: str, **options) -> AmpConfig:
+    """onnx_config for export_onnx: at the fp8 level convert()'s fx pass writes each fp8 matmul it decides as its
+    export marker (Fp8Options.form "export_marker"), which torch.onnx can write, instead of _scaled_mm."""
+    config = onnx_config("export_onnx", level, **options)
+    if config.fp8 is not None:
+        config.fp8 = dataclasses.replace(config.fp8, form="export_marker")
+    return config
 
 
 def _linear_onnx(x, weight, bias=None, x_amax=-1.0):
@@ -175,36 +160,9 @@ def _matmul_onnx(a, b, bias=None, x_amax=-1.0):
     return y if bias is None else op.Add(y, bias)
 
 
-# fp8_runtime's matmul helpers -> (marker, the names of its operands in the helper's signature): the one-node
-# forms (fp8_linear, fp8_matmul) and the forms with their scaling as graph nodes (fp8_scaled_*), where present
-_LINEAR, _MATMUL = _fp8_linear_marker._opoverload, _fp8_matmul_marker._opoverload
-_FP8_HELPERS = {"fp8_linear": (_LINEAR, ("x", "weight", "bias")), "fp8_matmul": (_MATMUL, ("a", "b", None)),
-                "fp8_scaled_linear": (_LINEAR, ("x", "weight", "bias")),
-                "fp8_scaled_matmul": (_MATMUL, ("a", "b", "bias"))}
-FP8_EXPORT_OPS = {getattr(fp8_runtime, name): how for name, how in _FP8_HELPERS.items() if hasattr(fp8_runtime, name)}
-FP8_TRANSLATIONS = {_LINEAR: _linear_onnx, _MATMUL: _matmul_onnx}
-
-
-def mark_fp8_matmuls(gm: fx.GraphModule) -> fx.GraphModule:
-    """Each fp8 matmul of `gm` calls its export marker on its bf16/fp16 operands instead, with the calibrated
-    max |x| where convert() measured one; the scaling nodes that fed it go (lower_fp8_matmuls writes the ONNX
-    scaling, at the config's margin). Node names and facts stay. `gm` is changed in place and returned."""
-    marked = 0
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in FP8_EXPORT_OPS:
-            continue
-        marker, names = FP8_EXPORT_OPS[node.target]
-        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
-        bound.apply_defaults()
-        calibrated = facts(node).get("fp8_calibration") or {}
-        node.target, node.kwargs = marker, {}
-        node.args = (*(bound.arguments[name] if name else None for name in names),
-                     float(calibrated.get("x_amax", NO_AMAX)))
-        marked += 1
-    if marked:
-        gm.graph.eliminate_dead_code()   # the amax / scale / fp8 cast nodes nothing reads now
-        gm.recompile()
-    return gm
+# The fp8 export markers (passes/fx/fp8_runtime.py), as torch.onnx writes them: a plain MatMul (+ Add) whose
+# metadata names the marker and carries its x_amax, which lower_fp8_matmuls (ONNX) finds and lowers
+FP8_TRANSLATIONS = {FP8_EXPORT_LINEAR: _linear_onnx, FP8_EXPORT_MATMUL: _matmul_onnx}
 
 
 def inference_counts() -> dict:

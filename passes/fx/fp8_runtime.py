@@ -58,6 +58,10 @@ vs 0.6 ms), which made a 200-step fp8 training test take 85 s.
 fp8_linear(x, w, b, margin) and fp8_matmul(a, b, margin), phase 1's one-node forms (current scaling inside),
 stay for files saved by it. Each helper is a `graph_leaf` (runtime.py says why); saved files name them by this
 module path.
+
+FP8_EXPORT_LINEAR and FP8_EXPORT_MATMUL are what an export_onnx graph calls instead (Fp8Options.form
+"export_marker"): one opaque op per fp8 matmul, on its bf16/fp16 operands, that torch.onnx writes as a MatMul
+(the last section says how). The formats' limits and the scale rule's constants are passes/policy/fp8.py's.
 """
 from __future__ import annotations
 
@@ -66,11 +70,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from amp_compiler.passes.fx.runtime import graph_leaf
-from amp_compiler.passes.policy.fp8 import GEMM_MULTIPLE
+from amp_compiler.passes.policy.fp8 import AMAX_FLOOR, E4M3 as E4M3_NAME, E5M2 as E5M2_NAME, FP8_EXPORT_NAMESPACE, \
+    FP8_FORMATS, GEMM_MULTIPLE
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8_MAX = {E4M3: float(torch.finfo(E4M3).max), E5M2: float(torch.finfo(E5M2).max)}   # 448, 57344
-AMAX_FLOOR = 1e-12   # an all-zero tensor gets a finite scale (2**48 at e4m3), not inf
+E4M3, E5M2 = getattr(torch, E4M3_NAME), getattr(torch, E5M2_NAME)   # torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {getattr(torch, name): limit for name, limit in FP8_FORMATS.items()}   # 448, 57344 (torch.finfo's)
 HISTORIES = ("x", "w", "grad")
 ISSUED_KEPT = 256   # scales a checkpointed recomputation can replay: micro-batches accumulated before a backward
 
@@ -78,7 +82,7 @@ ISSUED_KEPT = 256   # scales a checkpointed recomputation can replay: micro-batc
 def current_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
     """The quantizing scale for a tensor whose largest magnitude is `amax` (elementwise: one per row too): the
     largest power of two s with amax * s <= FP8_MAX[fp8_dtype], divided by 2**margin; 0 when amax is inf or
-    NaN. fp32, amax's device."""
+    NaN. fp32, amax's device. (policy/fp8.py's power_of_two_scale: the same for one amax, without torch.)"""
     amax = amax.float()
     headroom = FP8_MAX[fp8_dtype] / amax.clamp(min=AMAX_FLOOR)
     _, exponent = torch.frexp(headroom)   # headroom = m * 2**exponent, 0.5 <= m < 1: floor(log2) = exponent - 1
@@ -355,3 +359,34 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, margin: int = 0):
     """a @ b for a 2-D `b` (K, N) as a float8 matmul: fp8_linear with weight b^T."""
     return fp8_linear(a, b.t(), None, margin)
+
+
+# -- export_onnx's stand-ins ----------------------------------------------------------------------------------------
+# torch.onnx cannot write _scaled_mm (nor the scaling nodes' helpers): at Fp8Options.form "export_marker"
+# lower_fp8_matmuls writes each matmul it lowers as one of these ops on the operands it would have quantized.
+# torch.export keeps a custom op whole; export_onnx's translation table (amp_compiler/onnx/export.py) writes it
+# as a plain MatMul (+ Add) whose metadata names the op, which the ONNX lower_fp8_matmuls finds and gives float8
+# operands. Computed in the operands' dtype. x_amax: the calibrated max |x| (policy/fp8.py's NO_AMAX: none),
+# which the exporter's record of the call carries to the ONNX pass. Never in a saved file: the export only.
+@torch.library.custom_op(f"{FP8_EXPORT_NAMESPACE}::linear", mutates_args=())
+def _export_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_amax: float) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@_export_linear.register_fake
+def _(x, weight, bias, x_amax):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op(f"{FP8_EXPORT_NAMESPACE}::matmul", mutates_args=())
+def _export_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, x_amax: float) -> torch.Tensor:
+    return torch.matmul(a, b) if bias is None else torch.addmm(bias, a, b)
+
+
+@_export_matmul.register_fake
+def _(a, b, bias, x_amax):
+    return a.new_empty((*a.shape[:-1], b.shape[-1]))
+
+
+FP8_EXPORT_LINEAR = _export_linear._opoverload   # (x, weight (N, K), bias, x_amax): F.linear
+FP8_EXPORT_MATMUL = _export_matmul._opoverload   # (a, b (K, N), bias, x_amax): a @ b, addmm with a bias

@@ -30,6 +30,14 @@ bf16 when
     written by measure_fp8_operands; per tensor, or per row at fp8_scaling="rowwise") exceeds fp8_max_error.
     A lowered node's rule then quotes its figures, and at "delayed" its x and w histories start from the
     calibrated amax.
+
+For export_onnx (Fp8Options.form "export_marker", passes/policy/fp8.py) the decision is the same and made here
+once; a lowered matmul becomes one call of fp8_runtime's export marker instead, on the same operands, with the
+calibrated max |x| (NO_AMAX: none), and no scaling nodes:
+    linear(x, w, b)  ->  FP8_EXPORT_LINEAR(x, w, b, x_amax)       matmul/mm(a, b), addmm(bias, a, b)  ->
+                         FP8_EXPORT_MATMUL(a, b, bias, x_amax)
+torch.onnx writes each as a MatMul tagged with the marker, and the ONNX lower_fp8_matmuls gives exactly those
+nodes their float8 operands (its scaling written as ONNX nodes).
 """
 from __future__ import annotations
 
@@ -40,13 +48,14 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from amp_compiler.passes.fx.fp8_runtime import (E4M3, E5M2, FP8_MAX, HISTORIES, Fp8History, fp8_amax, fp8_cast,
-                                                fp8_delayed_scale, fp8_scale, fp8_scaled_linear, fp8_scaled_matmul)
+from amp_compiler.passes.fx.fp8_runtime import (E4M3, E5M2, FP8_EXPORT_LINEAR, FP8_EXPORT_MATMUL, FP8_MAX, HISTORIES,
+                                                Fp8History, fp8_amax, fp8_cast, fp8_delayed_scale, fp8_scale,
+                                                fp8_scaled_linear, fp8_scaled_matmul)
 from amp_compiler.passes.fx.runtime import amp_module_call, is_cast
 from amp_compiler.passes.node_facts import facts
-from amp_compiler.passes.policy.fp8 import Fp8Options, size_rule
+from amp_compiler.passes.policy.fp8 import FP8_FORMS, NO_AMAX, Fp8Options, size_rule
 from amp_compiler.passes.policy.numerics import dtype_name
-from amp_compiler.passes.policy.rules import _matches
+from amp_compiler.passes.policy.rules import pattern_matches
 from amp_compiler.passes.runner import PassResult
 
 aten = torch.ops.aten
@@ -60,9 +69,10 @@ HISTORY_ROOT = "fp8_history"   # gm.fp8_history.<matmul node>: its Fp8History (d
 DDP_IGNORED = "_ddp_params_and_buffers_to_ignore"   # names DistributedDataParallel neither broadcasts nor reduces
 
 
-def _operands(node: fx.Node) -> tuple | None:
-    """(x, w, bias, as_linear) of a linear/matmul/mm/addmm call, w in the call's own layout; None for other
-    forms."""
+def matmul_operands(node: fx.Node) -> tuple | None:
+    """(x, w, bias, as_linear) of a linear/matmul/mm/addmm call in a form this pass lowers, w in the call's own
+    layout ((N, K) for a linear, as_linear True; (K, N) otherwise), bias None where the call has none; None for
+    other forms (a module call, bmm, addmm with beta or alpha, ...). measure_fp8_operands measures these."""
     args, kwargs = node.args, node.kwargs
     if node.op == "call_function" and node.target in LINEAR_TARGETS:
         names = ("input", "weight", "bias")
@@ -115,10 +125,10 @@ def _kept_because(gm: fx.GraphModule, node: fx.Node, options: Fp8Options, low: t
     """Why this decided-low matmul-class node stays bf16, or None when it becomes an fp8 matmul."""
     amp = facts(node)
     for pattern in options.keep:
-        if _matches(pattern, amp.get("module", ""), node.name):
+        if pattern_matches(pattern, amp.get("module", ""), node.name):
             matched.add(pattern)
             return f"user rule: fp8_keep {pattern!r}"
-    operands = _operands(node)
+    operands = matmul_operands(node)
     if operands is None:
         module_call = node.op == "call_module" or node.target is amp_module_call   # a leaf kept whole (hooks)
         if node.target in ADDMM_TARGETS and {"beta", "alpha"} & set(node.kwargs):
@@ -191,7 +201,7 @@ def _scaling_nodes(graph: fx.Graph, node: fx.Node, operand: fx.Node, which: str,
 
 def _lower(gm: fx.GraphModule, node: fx.Node, options: Fp8Options) -> None:
     """Rewrite `node` into its scaling nodes and one fp8_scaled_linear/_matmul node (module docstring)."""
-    x, w, bias, as_linear = _operands(node)
+    x, w, bias, as_linear = matmul_operands(node)
     rowwise = options.scaling == "rowwise"
     with gm.graph.inserting_before(node):
         histories = _add_history(gm, node, options) if options.scaling == "delayed" else None
@@ -205,10 +215,22 @@ def _lower(gm: fx.GraphModule, node: fx.Node, options: Fp8Options) -> None:
                  options.amax_from)
 
 
+def _mark_for_export(node: fx.Node) -> None:
+    """Rewrite `node` into the call of its export marker (module docstring): the same operands, no scaling."""
+    x, w, bias, as_linear = matmul_operands(node)
+    calibration = facts(node).get("fp8_calibration") or {}
+    node.op, node.kwargs = "call_function", {}
+    node.target = FP8_EXPORT_LINEAR if as_linear else FP8_EXPORT_MATMUL
+    node.args = (x, w, bias, float(calibration.get("x_amax", NO_AMAX)))
+
+
 def lower_fp8_matmuls(gm: fx.GraphModule, options: Fp8Options, low: torch.dtype) -> PassResult:
     """Rewrite the decided-low linear/matmul/mm/addmm nodes that qualify into fp8 scaling nodes and an fp8
-    matmul; give every low matmul-class node its fp8 rule. Counts: fp8 (lowered), kept (low matmul-class
-    nodes left in `low`)."""
+    matmul (options.form "export_marker": into their export markers); give every low matmul-class node its fp8
+    rule. Counts: fp8 (lowered), kept (low matmul-class nodes left in `low`)."""
+    if options.form not in FP8_FORMS:
+        raise ValueError(f"Fp8Options.form must be one of {', '.join(map(repr, FP8_FORMS))}; got {options.form!r}")
+    lower = _mark_for_export if options.form == "export_marker" else lambda node: _lower(gm, node, options)
     lowered = kept = 0
     matched: set[str] = set()
     for node in list(gm.graph.nodes):
@@ -220,7 +242,7 @@ def lower_fp8_matmuls(gm: fx.GraphModule, options: Fp8Options, low: torch.dtype)
             amp["rule"] = f"{amp.get('rule', '')}; fp8: kept {dtype_name(low)}: {why}"
             kept += 1
             continue
-        _lower(gm, node, options)
+        lower(node)
         calibration = amp.get("fp8_calibration")
         measured = f"; {_calibration_words(calibration, options)} <= {options.max_error:g}" if calibration else ""
         amp["rule"] = f"fp8 ({options.recipe()}{measured}): {amp.get('rule', '')}"

@@ -8,8 +8,8 @@
 An analysis: it runs the graph on the samples (fx.Interpreter, eval mode, no grad) and changes nothing. It runs
 after every bf16 decision and before lower_fp8_matmuls, so each decided-low linear/matmul/mm is measured on the
 bf16 operands the fp8 rewrite would quantize: every call form lower_fp8_matmuls reads operands from (its
-_operands: linear, matmul, mm, addmm); x: the activation, w: the weight in the call's own layout, 2-D (a batched
-second operand is not measured: it is not lowered). Per operand:
+matmul_operands: linear, matmul, mm, addmm); x: the activation, w: the weight in the call's own layout, 2-D (a
+batched second operand is not measured: it is not lowered). Per operand:
   *_amax           the largest finite |value| over all samples (delayed scaling starts its history from it)
   *_error          the e4m3 round trip's relative error ||dequant(quant(v)) - v|| / ||v|| of each row, root mean
                    square over the rows, with one power-of-two scale for the tensor (fp8_runtime.current_scale at
@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from amp_compiler.passes.fx.calibrate_ranges import EvalModeInterpreter
 from amp_compiler.passes.fx.fp8_runtime import E4M3, current_scale, saturating_cast
-from amp_compiler.passes.fx.lower_fp8_matmuls import _operands
+from amp_compiler.passes.fx.lower_fp8_matmuls import matmul_operands
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.painting.calibrate_ranges import calibration_sample, check_calibration_data, progress
 from amp_compiler.passes.runner import PassResult
@@ -76,7 +76,7 @@ def measure_fp8_operands(gm: fx.GraphModule, samples: Iterable, margin: int) -> 
     for node in gm.graph.nodes:
         amp = facts(node)
         if amp.get("family") == "matmul" and amp.get("precision") == "low":
-            operands = _operands(node)
+            operands = matmul_operands(node)
             if operands is not None and all(isinstance(v, fx.Node) for v in operands[:2]):
                 matmuls[node] = operands
     if not matmuls:

@@ -7,14 +7,16 @@
 
 The ONNX twin of passes/fx/lower_fp8_matmuls.py, with the same options and size rule (passes/policy/fp8.py),
 so a matmul that runs fp8 in torch is the one written fp8 in the file. What decides:
-  - export_onnx: convert() decided (its fx pass); the exporter wrote each of its fp8 matmuls through a marker
-    op (FP8_EXPORT_OPS, amp_compiler/onnx/export.py), so the MatMul nodes whose origin names a marker are
-    lowered, every other one keeps its dtype; the report's rows are explain()'s;
+  - export_onnx: convert() decided, once (the fx pass, at Fp8Options.form "export_marker"), and wrote each of
+    its fp8 matmuls as a marker op (fp8_runtime.FP8_EXPORT_LINEAR/_MATMUL), which the exporter writes as a
+    MatMul whose origin names the marker: those MatMul nodes are lowered, every other one keeps its dtype; the
+    report's rows are explain()'s;
   - convert_onnx: a MatMul/Gemm painted low stays float16/bfloat16 (its rule says why) when fp8_keep names it
     (node name or torch module path), when its B is not one 2-D matrix of known size, when Gemm transposes A,
     or when size_rule refuses K, N (multiples of 16, min(K, N) >= fp8_min_dim).
 Weights (a 2-D initializer, read directly or through Casts and Transposes) are stored as FLOAT8E4M3FN with
-one power-of-two scale each, fp8_runtime.current_scale's at fp8_margin: half the bytes of fp16. Activations get a QuantizeLinear/
+one power-of-two scale each (policy/fp8.py's power_of_two_scale at fp8_margin: fp8_runtime.current_scale's, without
+torch; this pass imports neither torch nor the fx passes): half the bytes of fp16. Activations get a QuantizeLinear/
 DequantizeLinear pair (TensorRT fuses Q/DQ around a MatMul into an fp8 GEMM), whose scale is computed by
 explicit nodes on each run (current scaling):
     amax = ReduceMax(Abs(x)); sx = 2 ** ceil(log2(amax / 448)) * 2 ** margin   (fp32, exact powers of two)
@@ -39,16 +41,15 @@ import re
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
-import torch
 
-from amp_compiler.passes.fx.fp8_runtime import E4M3, FP8_MAX, current_scale
 from amp_compiler.passes.onnx.canonicalize import all_nodes
 from amp_compiler.passes.onnx.cast_nodes import UniqueNames, is_cast
 from amp_compiler.passes.onnx.spec import is_float_value
 from amp_compiler.passes.node_facts import facts
-from amp_compiler.passes.policy.fp8 import Fp8Options, size_rule
+from amp_compiler.passes.policy.fp8 import (E4M3, FP8_EXPORT_NAMESPACE, FP8_FORMATS, NO_AMAX, Fp8Options,
+                                            power_of_two_scale, size_rule)
 from amp_compiler.passes.policy.numerics import dtype_name
-from amp_compiler.passes.policy.rules import _matches
+from amp_compiler.passes.policy.rules import pattern_matches
 from amp_compiler.passes.runner import PassResult
 
 # Float8 types and Q/DQ to them exist since opset 19, where QuantizeLinear's output type is its zero point's;
@@ -57,10 +58,9 @@ from amp_compiler.passes.runner import PassResult
 # without the zero point, so with a static scale a float8 Q became a uint8 one and the output was silently
 # wrong (0.71 relative error on tests/test_onnx_fp8.py's model; with output_dtype it is fp8's 0.06).
 FP8_OPSET = 21
-FP8_EXPORT_NAMESPACE = "amp_compiler_fp8_onnx"   # torch.library namespace of export_onnx's marker ops
-NO_AMAX = -1.0   # a marker's x_amax when convert() calibrated nothing
 _MARKER_CALL = re.compile(r"args = \((.*)\), kwargs = ")
-E4M3_MAX = FP8_MAX[E4M3]   # 448
+E4M3_MAX = FP8_FORMATS[E4M3]   # 448
+_E4M3_NUMPY = np.dtype(getattr(ml_dtypes, E4M3))   # float8_e4m3fn: round to nearest even, as torch's cast
 SMALLEST_SCALE = 2.0 ** -24   # the smallest fp16 value: a scale in the activation's dtype must not flush to 0
 _FLOAT = ir.DataType.FLOAT
 
@@ -108,7 +108,7 @@ def _kept_because(node: ir.Node, options: Fp8Options, low: ir.DataType, matched:
     """Why this low MatMul/Gemm stays in `low` (convert_onnx), or None when it qualifies."""
     amp = facts(node)
     for pattern in options.keep:
-        if _matches(pattern, amp.get("module", ""), node.name):
+        if pattern_matches(pattern, amp.get("module", ""), node.name):
             matched.add(pattern)
             return f"user rule: fp8_keep {pattern!r}"
     a, b = node.inputs[0], node.inputs[1]
@@ -161,8 +161,8 @@ class _Fp8Rewrite:
         return self.constants[name]
 
     def scale_of(self, amax: float) -> float:
-        """The dequantizing scale for a tensor whose max |x| is `amax` (1 / fp8_runtime.current_scale)."""
-        return 1.0 / float(current_scale(torch.tensor(amax), E4M3, self.options.margin))
+        """The dequantizing scale for a tensor whose max |x| is `amax` (1 / fp8_runtime.current_scale's)."""
+        return 1.0 / power_of_two_scale(amax, E4M3, self.options.margin)
 
     def activation(self, value: ir.Value, reader: ir.Node, amax: float | None) -> ir.Value:
         """DequantizeLinear(QuantizeLinear(value)): a static scale from `amax`, else one computed in the graph."""
@@ -221,11 +221,10 @@ class _Fp8Rewrite:
         array = np.asarray(source.const_value.numpy(), dtype=np.float32)
         for perm in reversed(perms):   # innermost first
             array = array.transpose(perm)
-        weights = torch.from_numpy(array.copy())
-        scale = self.scale_of(float(weights.abs().max()) if weights.numel() else 0.0)
-        codes = (weights / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)   # round to nearest even, saturated
-        stored = self._initializer(f"{source.name}_e4m3", codes.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn),
-                                   reader.graph)
+        scale = self.scale_of(float(np.abs(array).max()) if array.size else 0.0)
+        scaled = array / np.float32(scale)   # in float32; by a power of two: exact
+        codes = np.ascontiguousarray(np.clip(scaled, -E4M3_MAX, E4M3_MAX).astype(_E4M3_NUMPY))   # nearest even
+        stored = self._initializer(f"{source.name}_e4m3", codes, reader.graph)
         self.weights += 1
         dq_scale = self._constant(f"{source.name}_e4m3_scale", scale, ir.DataType(self.low).numpy())
         self.stored[key] = self._node("DequantizeLinear", [stored, dq_scale], reader, self.low, value.shape,

@@ -13,7 +13,7 @@ import re
 
 import onnx_ir as ir
 
-from amp_compiler.passes.fx.canonicalize import ALIASES
+from amp_compiler.passes.policy.op_aliases import ALIASES
 
 _LAST_CLASS = re.compile(r"'([^']*)'\]$")
 _FX_NODE = re.compile(r"%([\w.]+) ")

@@ -17,16 +17,36 @@ rule, so a matmul that trains in fp8 is the one exported in fp8. Scaling recipes
 
 Scales are powers of two divided by 2**fp8_margin. fp8_max_error applies with calibration_data: a matmul
 whose operands' fp8 round-trip error on the samples exceeds it stays bf16 (outlier rows).
+
+The formats' facts both rewrites share live here too, in plain Python (the ONNX pass imports no torch): each
+format's largest finite value (FP8_FORMATS, by the name torch and ml_dtypes give the dtype), the scale rule
+(power_of_two_scale: fp8_runtime.current_scale's arithmetic for one amax), and how export_onnx carries the fx
+pass's decision to the ONNX one (FP8_EXPORT_NAMESPACE, NO_AMAX: Fp8Options.form "export_marker").
 """
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
-from amp_compiler.passes.policy.rules import _as_tuple
+from amp_compiler.passes.policy.rules import string_tuple
 
 SCALINGS = ("current", "delayed", "rowwise")
 AMAX_FROM = ("max", "most_recent")
 GEMM_MULTIPLE = 16   # cuBLASLt's fp8 GEMM: K, N (and the weight gradient's M) multiples of 16
+# How lower_fp8_matmuls (fx) writes a matmul it lowers (Fp8Options.form; set by the entry point, not a user option):
+#   scaled_mm      the scaling nodes and one fp8_scaled_linear/_matmul (_scaled_mm): what convert() runs
+#   export_marker  one call of export_onnx's marker op (fp8_runtime.fp8_export_linear/_matmul) on the bf16/fp16
+#                  operands, with the calibrated max |x|: torch.onnx writes it as a MatMul tagged with its origin,
+#                  and the ONNX lower_fp8_matmuls gives exactly those nodes float8 operands
+FP8_FORMS = ("scaled_mm", "export_marker")
+
+# The largest finite value of each float8 format, by dtype name (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn)
+E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
+FP8_FORMATS = {E4M3: 448.0, E5M2: 57344.0}
+AMAX_FLOOR = 1e-12   # an all-zero tensor gets a finite scale (2**48 at e4m3), not inf
+FP8_EXPORT_NAMESPACE = "amp_compiler_fp8_onnx"   # torch.library namespace of export_onnx's marker ops
+NO_AMAX = -1.0   # a marker's x_amax when convert() calibrated nothing
 FP8_OPTION_KEYS = ("fp8_min_dim", "fp8_margin", "fp8_keep", "fp8_scaling", "fp8_history", "fp8_amax_from",
                    "fp8_max_error")
 _DELAYED_ONLY = ("fp8_history", "fp8_amax_from")
@@ -54,6 +74,7 @@ class Fp8Options:
     history: int = 16              # delayed: calls the amax history holds (MS-AMP's window; TE defaults to 1024)
     amax_from: str = "max"         # delayed: the history's max, or its most recent entry
     max_error: float = 0.1         # calibration: fp8 round-trip error (relative, Frobenius) above which bf16 stays
+    form: str = "scaled_mm"        # FP8_FORMS: what the fx pass writes (export_onnx asks for "export_marker")
 
     @classmethod
     def from_overrides(cls, overrides: dict) -> "Fp8Options":
@@ -70,7 +91,7 @@ class Fp8Options:
             raise ValueError(f"fp8_max_error must be a number > 0, got {max_error!r}")
         return cls(min_dim=_non_negative_int("fp8_min_dim", get("fp8_min_dim", cls.min_dim)),
                    margin=_non_negative_int("fp8_margin", get("fp8_margin", cls.margin)),
-                   keep=_as_tuple(get("fp8_keep", ()), "fp8_keep"), scaling=scaling, history=history,
+                   keep=string_tuple(get("fp8_keep", ()), "fp8_keep"), scaling=scaling, history=history,
                    amax_from=_one_of("fp8_amax_from", get("fp8_amax_from", cls.amax_from), AMAX_FROM),
                    max_error=float(max_error))
 
@@ -96,3 +117,24 @@ def size_rule(k: int | None, n: int | None, options: Fp8Options) -> str | None:
         return (f"min(K={k}, N={n}) < fp8_min_dim {options.min_dim}: the amax and fp8 casts of x, w and the gradient "
                 "would cost about what the faster GEMM saves")
     return None
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to float32 (inf beyond its range), as a Python float."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def power_of_two_scale(amax: float, fp8_format: str = E4M3, margin: int = 0) -> float:
+    """The quantizing scale for a tensor whose largest magnitude is `amax`: the largest power of two s with
+    amax * s <= FP8_FORMATS[fp8_format], divided by 2**margin; 0.0 when amax is inf or NaN. The arithmetic of
+    fp8_runtime.current_scale (float32: amax rounded to it and floored at AMAX_FLOOR, the headroom divided in
+    it), for one amax in plain Python: the same scale to the bit (tests/test_fp8.py)."""
+    amax = _float32(amax)
+    if not math.isfinite(amax):
+        return 0.0
+    headroom = _float32(FP8_FORMATS[fp8_format] / max(amax, _float32(AMAX_FLOOR)))   # correctly rounded
+    _, exponent = math.frexp(headroom)   # headroom = m * 2**exponent, 0.5 <= m < 1: floor(log2) = exponent - 1
+    return _float32(2.0 ** (exponent - 1 - margin))

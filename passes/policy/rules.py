@@ -12,9 +12,9 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 
-from amp_compiler.passes.fx.canonicalize import ALIASES
 from amp_compiler.passes.policy.levels import ALL_MIXED, Level, level_of
 from amp_compiler.passes.policy.names import check_known_names
+from amp_compiler.passes.policy.op_aliases import ALIASES
 from amp_compiler.passes.policy.op_policy import OpRule, device_kept_fp32, policy_for
 
 # Families that keep_batchnorm_fp32 keeps in fp32 (Apex, MindSpore's O2), and that a level may keep fp32.
@@ -76,11 +76,11 @@ class PrecisionRules:
                 op_class, reason = "deny", no_kernel
             table[op] = (op_class, rule.family, reason)
         user_lists = {"allow": allow_ops, "deny": deny_ops, "infer": infer_ops, "clear": clear_ops}
-        custom = set(_as_tuple(custom_ops, "custom_ops"))
+        custom = set(string_tuple(custom_ops, "custom_ops"))
         seen: dict[str, str] = {}
         unlisted: dict[str, str] = {}
         for op_class, ops in user_lists.items():
-            for name in _as_tuple(ops, f"{op_class}_ops"):
+            for name in string_tuple(ops, f"{op_class}_ops"):
                 op = ALIASES.get(name, name)   # "truediv" acts on the node canonicalize names "div"
                 if op in seen and seen[op] != op_class:
                     raise ValueError(f"op {op!r} is in both {seen[op]}_ops and {op_class}_ops: pick one")
@@ -89,7 +89,7 @@ class PrecisionRules:
                     unlisted[op] = f"{op_class}_ops"
                 family = table[op][1] if op in table else "user"
                 table[op] = (op_class, family, f"user rule: {name} in {op_class}_ops")
-        force_fp32, force_low = _as_tuple(force_fp32, "force_fp32"), _as_tuple(force_low, "force_low")
+        force_fp32, force_low = string_tuple(force_fp32, "force_fp32"), string_tuple(force_low, "force_low")
         both = set(force_fp32) & set(force_low)
         if both:
             raise ValueError(f"pattern(s) {sorted(both)} are in both force_fp32 and force_low: pick one")
@@ -119,7 +119,7 @@ class PrecisionRules:
         hits = []
         for precision, patterns in (("fp32", self.force_fp32), ("low", self.force_low)):
             for pattern in patterns:
-                if _matches(pattern, module_path, node_name):
+                if pattern_matches(pattern, module_path, node_name):
                     hits.append((precision, pattern))
         if not hits:
             return next((("fp32", why) for fragment, why in self.model_fp32 if names_module(fragment, module_path)),
@@ -147,7 +147,9 @@ class PrecisionRules:
                              "name; explain(gm) lists both")
 
 
-def _as_tuple(value, what: str) -> tuple[str, ...]:
+def string_tuple(value, what: str) -> tuple[str, ...]:
+    """A user's list of names (op lists, force_* and fp8_keep patterns) as a tuple: one string is a list of one;
+    anything but strings is a ValueError naming the option `what`."""
     if isinstance(value, str):
         return (value,)
     try:
@@ -165,7 +167,9 @@ def names_module(fragment: str, module_path: str) -> bool:
     return re.search(rf"(^|\.){re.escape(fragment)}($|\.)", module_path) is not None
 
 
-def _matches(pattern: str, module_path: str, node_name: str) -> bool:
+def pattern_matches(pattern: str, module_path: str, node_name: str) -> bool:
+    """Whether a user's pattern (force_fp32, force_low, fp8_keep: a glob) names a node: its node name, or its
+    module path or a module around it ("encoder.layers.*" covers every node inside each layer)."""
     if fnmatch.fnmatchcase(node_name, pattern):
         return True
     parts = module_path.split(".") if module_path else []
