@@ -131,10 +131,11 @@ def test_export_decides_once_and_writes_each_fp8_matmul_as_its_marker():
     marked = compile_graph(captured, export_config("fp8", fp8_min_dim=16))
     scaled = compile_graph(captured, onnx_config("export_onnx", "fp8", fp8_min_dim=16))
     targets = [n.target for n in marked.graph.nodes if n.op == "call_function"]
-    assert targets.count(fp8_runtime.FP8_EXPORT_LINEAR) == 2
+    linear_marker, _ = fp8_runtime.fp8_export_markers()
+    assert targets.count(linear_marker) == 2
     helpers = {fp8_runtime.fp8_amax, fp8_runtime.fp8_scale, fp8_runtime.fp8_cast, fp8_runtime.fp8_scaled_linear}
     assert not helpers & set(targets) and helpers <= {n.target for n in scaled.graph.nodes}
-    markers = [n for n in marked.graph.nodes if n.target is fp8_runtime.FP8_EXPORT_LINEAR]
+    markers = [n for n in marked.graph.nodes if n.target is linear_marker]
     assert all(len(n.args) == 4 and n.args[3] == NO_AMAX for n in markers)
     decided = lambda gm: {n.name: facts(n)["rule"] for n in gm.graph.nodes if facts(n).get("family") == "matmul"}  # noqa: E731
     assert decided(marked) == decided(scaled) and len(decided(marked)) == 3

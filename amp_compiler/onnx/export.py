@@ -19,7 +19,7 @@ The precision of every op is the one convert() chose, with what inference change
   compiled again from the same capture with force_fp32 and keep it exact;
 - at level "fp8" (float16 around the matmuls by default: ONNX Runtime runs no bfloat16), convert() decides
   which matmuls run fp8, once (passes/fx/lower_fp8_matmuls.py), and writes each as a call of its export marker
-  (Fp8Options.form "export_marker": fp8_runtime.FP8_EXPORT_LINEAR/_MATMUL, no scaling nodes), which
+  (Fp8Options.form "export_marker": fp8_runtime.fp8_export_markers(), no scaling nodes), which
   FP8_TRANSLATIONS writes as a plain MatMul tagged with its origin; the ONNX lower_fp8_matmuls then gives
   exactly those nodes their float8 operands (passes/onnx/lower_fp8_matmuls.py): FLOAT8E4M3FN weights, Q/DQ
   activations, opset >= 21. The activation scales are computed in the graph, or static with calibration_data
@@ -53,7 +53,7 @@ from amp_compiler.insight.report import explain
 from amp_compiler.passes.fx.canonicalize import canonicalize
 from amp_compiler.passes.fx.fold_batch_norms import (find_foldable_batch_norms, fold_batch_norms_in_aten_graph,
                                                      fold_batch_norms_in_graph)
-from amp_compiler.passes.fx.fp8_runtime import FP8_EXPORT_LINEAR, FP8_EXPORT_MATMUL
+from amp_compiler.passes.fx.fp8_runtime import fp8_export_markers
 from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place_in_graph
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
 from amp_compiler.passes.onnx.lower_fp8_matmuls import fp8_opset, onnx_recipe
@@ -162,7 +162,7 @@ def _matmul_onnx(a, b, bias=None, x_amax=-1.0):
 
 # The fp8 export markers (passes/fx/fp8_runtime.py), as torch.onnx writes them: a plain MatMul (+ Add) whose
 # metadata names the marker and carries its x_amax, which lower_fp8_matmuls (ONNX) finds and lowers
-FP8_TRANSLATIONS = {FP8_EXPORT_LINEAR: _linear_onnx, FP8_EXPORT_MATMUL: _matmul_onnx}
+FP8_TRANSLATIONS = dict(zip(fp8_export_markers(), (_linear_onnx, _matmul_onnx)))
 
 
 def inference_counts() -> dict:

@@ -59,11 +59,13 @@ fp8_linear(x, w, b, margin) and fp8_matmul(a, b, margin), phase 1's one-node for
 stay for files saved by it. Each helper is a `graph_leaf` (runtime.py says why); saved files name them by this
 module path.
 
-FP8_EXPORT_LINEAR and FP8_EXPORT_MATMUL are what an export_onnx graph calls instead (Fp8Options.form
-"export_marker"): one opaque op per fp8 matmul, on its bf16/fp16 operands, that torch.onnx writes as a MatMul
-(the last section says how). The formats' limits and the scale rule's constants are passes/policy/fp8.py's.
+fp8_export_markers() are what an export_onnx graph calls instead (Fp8Options.form "export_marker"): one
+opaque op per fp8 matmul, on its bf16/fp16 operands, that torch.onnx writes as a MatMul (the last section says
+how). The formats' limits and the scale rule's constants are passes/policy/fp8.py's.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -362,31 +364,33 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, margin: int = 0):
 
 
 # -- export_onnx's stand-ins ----------------------------------------------------------------------------------------
-# torch.onnx cannot write _scaled_mm (nor the scaling nodes' helpers): at Fp8Options.form "export_marker"
-# lower_fp8_matmuls writes each matmul it lowers as one of these ops on the operands it would have quantized.
-# torch.export keeps a custom op whole; export_onnx's translation table (amp_compiler/onnx/export.py) writes it
-# as a plain MatMul (+ Add) whose metadata names the op, which the ONNX lower_fp8_matmuls finds and gives float8
-# operands. Computed in the operands' dtype. x_amax: the calibrated max |x| (policy/fp8.py's NO_AMAX: none),
-# which the exporter's record of the call carries to the ONNX pass. Never in a saved file: the export only.
-@torch.library.custom_op(f"{FP8_EXPORT_NAMESPACE}::linear", mutates_args=())
-def _export_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_amax: float) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
 
+@functools.cache
+def fp8_export_markers() -> tuple[torch._ops.OpOverload, torch._ops.OpOverload]:
+    """(linear, matmul): export_onnx's stand-ins for an fp8 matmul, registered on first use (torch.library takes
+    some 10 ms an op: a conversion that never exports does not pay it).
 
-@_export_linear.register_fake
-def _(x, weight, bias, x_amax):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    torch.onnx cannot write _scaled_mm (nor the scaling nodes' helpers): at Fp8Options.form "export_marker"
+    lower_fp8_matmuls writes each matmul it lowers as one of these ops on the operands it would have quantized:
+        linear(x, weight (N, K), bias, x_amax) = F.linear       matmul(a, b (K, N), bias, x_amax) = a @ b (addmm)
+    torch.export keeps a custom op whole; export_onnx's translation table (amp_compiler/onnx/export.py) writes it
+    as a plain MatMul (+ Add) whose metadata names the op, which the ONNX lower_fp8_matmuls finds and gives float8
+    operands. Computed in the operands' dtype. x_amax: the calibrated max |x| (policy/fp8.py's NO_AMAX: none),
+    which the exporter's record of the call carries to the ONNX pass. Never in a saved file: the export only."""
+    @torch.library.custom_op(f"{FP8_EXPORT_NAMESPACE}::linear", mutates_args=())
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_amax: float) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight, bias)
 
+    @linear.register_fake
+    def _(x, weight, bias, x_amax):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
-@torch.library.custom_op(f"{FP8_EXPORT_NAMESPACE}::matmul", mutates_args=())
-def _export_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, x_amax: float) -> torch.Tensor:
-    return torch.matmul(a, b) if bias is None else torch.addmm(bias, a, b)
+    @torch.library.custom_op(f"{FP8_EXPORT_NAMESPACE}::matmul", mutates_args=())
+    def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, x_amax: float) -> torch.Tensor:
+        return torch.matmul(a, b) if bias is None else torch.addmm(bias, a, b)
 
+    @matmul.register_fake
+    def _(a, b, bias, x_amax):
+        return a.new_empty((*a.shape[:-1], b.shape[-1]))
 
-@_export_matmul.register_fake
-def _(a, b, bias, x_amax):
-    return a.new_empty((*a.shape[:-1], b.shape[-1]))
-
-
-FP8_EXPORT_LINEAR = _export_linear._opoverload   # (x, weight (N, K), bias, x_amax): F.linear
-FP8_EXPORT_MATMUL = _export_matmul._opoverload   # (a, b (K, N), bias, x_amax): a @ b, addmm with a bias
+    return linear._opoverload, matmul._opoverload

@@ -32,10 +32,10 @@ bf16 when
     calibrated amax.
 
 For export_onnx (Fp8Options.form "export_marker", passes/policy/fp8.py) the decision is the same and made here
-once; a lowered matmul becomes one call of fp8_runtime's export marker instead, on the same operands, with the
-calibrated max |x| (NO_AMAX: none), and no scaling nodes:
-    linear(x, w, b)  ->  FP8_EXPORT_LINEAR(x, w, b, x_amax)       matmul/mm(a, b), addmm(bias, a, b)  ->
-                         FP8_EXPORT_MATMUL(a, b, bias, x_amax)
+once; a lowered matmul becomes one call of its export marker instead (fp8_runtime.fp8_export_markers), on the
+same operands, with the calibrated max |x| (NO_AMAX: none), and no scaling nodes:
+    linear(x, w, b)  ->  amp_compiler_fp8_onnx.linear(x, w, b, x_amax)
+    matmul/mm(a, b), addmm(bias, a, b)  ->  amp_compiler_fp8_onnx.matmul(a, b, bias, x_amax)
 torch.onnx writes each as a MatMul tagged with the marker, and the ONNX lower_fp8_matmuls gives exactly those
 nodes their float8 operands (its scaling written as ONNX nodes).
 """
@@ -48,9 +48,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from amp_compiler.passes.fx.fp8_runtime import (E4M3, E5M2, FP8_EXPORT_LINEAR, FP8_EXPORT_MATMUL, FP8_MAX, HISTORIES,
-                                                Fp8History, fp8_amax, fp8_cast, fp8_delayed_scale, fp8_scale,
-                                                fp8_scaled_linear, fp8_scaled_matmul)
+from amp_compiler.passes.fx.fp8_runtime import (E4M3, E5M2, FP8_MAX, HISTORIES, Fp8History, fp8_amax, fp8_cast,
+                                                fp8_delayed_scale, fp8_export_markers, fp8_scale, fp8_scaled_linear,
+                                                fp8_scaled_matmul)
 from amp_compiler.passes.fx.runtime import amp_module_call, is_cast
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.policy.fp8 import FP8_FORMS, NO_AMAX, Fp8Options, size_rule
@@ -220,7 +220,8 @@ def _mark_for_export(node: fx.Node) -> None:
     x, w, bias, as_linear = matmul_operands(node)
     calibration = facts(node).get("fp8_calibration") or {}
     node.op, node.kwargs = "call_function", {}
-    node.target = FP8_EXPORT_LINEAR if as_linear else FP8_EXPORT_MATMUL
+    linear_marker, matmul_marker = fp8_export_markers()
+    node.target = linear_marker if as_linear else matmul_marker
     node.args = (x, w, bias, float(calibration.get("x_amax", NO_AMAX)))
 
 

@@ -8,7 +8,7 @@
 The ONNX twin of passes/fx/lower_fp8_matmuls.py, with the same options and size rule (passes/policy/fp8.py),
 so a matmul that runs fp8 in torch is the one written fp8 in the file. What decides:
   - export_onnx: convert() decided, once (the fx pass, at Fp8Options.form "export_marker"), and wrote each of
-    its fp8 matmuls as a marker op (fp8_runtime.FP8_EXPORT_LINEAR/_MATMUL), which the exporter writes as a
+    its fp8 matmuls as a marker op (fp8_runtime.fp8_export_markers()), which the exporter writes as a
     MatMul whose origin names the marker: those MatMul nodes are lowered, every other one keeps its dtype; the
     report's rows are explain()'s;
   - convert_onnx: a MatMul/Gemm painted low stays float16/bfloat16 (its rule says why) when fp8_keep names it
