@@ -76,6 +76,7 @@ def test_convert_captures_once(captures):
     assert captures == {"fx": 1, "torch.export": 0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_peak", [1.0, 1e5], ids=["in_range", "weight_beyond_fp16"])
 def test_export_onnx_captures_once(captures, tmp_path, head_peak):
     path = str(tmp_path / "net.onnx")

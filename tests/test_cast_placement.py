@@ -2,6 +2,7 @@
 bytes cross; outputs and gradients stay those of the painted graph, forced nodes never move."""
 import re
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,6 +75,7 @@ def rules(gm) -> dict:
     return {row["node"]: (row["dtype"], row["rule"]) for row in explain(gm).rows}
 
 
+@pytest.mark.slow
 def test_casts_move_to_the_small_side_with_the_same_outputs_and_gradients():
     model, args = SliceExpandPool(), inputs()
     painted = convert(model, "O1", example_inputs=args, dtype=LOW, cast_placement=False)
@@ -155,6 +157,7 @@ def test_the_cut_moves_a_chain_that_one_flip_at_a_time_cannot():
     assert placed("cut") == ({"reshape": "fp32", "slice": "fp32"}, 256)
 
 
+@pytest.mark.slow
 def test_convert_onnx_places_casts_with_the_same_hook_and_fewer_bytes():
     """The ONNX adapter (passes/onnx/place_casts.py) feeds the same placement: on the zoo GAT's fp32 export
     the edge gather moves to the small side, as convert() does on the fx graph (6 Casts -> 4 here)."""

@@ -89,6 +89,7 @@ def plain_loop_training(model, batches, level, dtype):
 TRAINERS = {"build_train_network": train_step_training, "convert + plain loop": plain_loop_training}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", TRAINERS.values(), ids=TRAINERS)
 @pytest.mark.parametrize("checkpointing", KINDS)
 def test_o0_gradients_and_training_equal_the_unconverted_model(checkpointing, trainer):

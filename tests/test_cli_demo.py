@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from amp_compiler.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +29,7 @@ def test_demo_unknown_model_is_a_clear_error(capsys):
     assert "unknown model 'nope'" in err and "mlp" in err
 
 
+@pytest.mark.slow
 def test_the_installed_command_runs_the_demo_from_any_folder(tmp_path):
     """`pip install`, then the demo in a folder of the user's: the package built from a copy of the
     sources and installed into a folder of its own, run with the repository nowhere on sys.path."""

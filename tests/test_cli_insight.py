@@ -54,6 +54,7 @@ def test_explain_prints_the_summary_and_says_where_the_picture_went(factory_dir,
     assert f"graph written to {factory_dir / 'g.html'}" in out and (factory_dir / "g.html").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_explain_filters_and_options_reach_convert(factory_dir, capsys):
     assert main(["explain", "cli_factories:planted", "--only", "fp32"]) == 0
     out = capsys.readouterr().out
@@ -84,6 +85,7 @@ def test_calibrate_runs_the_ranges_on_the_factorys_samples(factory_dir, capsys):
     assert "range calibration (1 sample): 2 nodes kept fp32: mul_1, b" in out
 
 
+@pytest.mark.slow
 def test_render_draws_an_onnx_file_and_a_factory(factory_dir, capsys):
     import torch
     model, inputs = __import__("cli_factories").planted()

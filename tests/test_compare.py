@@ -40,6 +40,7 @@ def gpt():
     return task.model, convert(task.model, "O1", example_inputs=task.example_inputs), task.example_inputs
 
 
+@pytest.mark.slow
 def test_a_sound_conversion_passes_with_every_float_node_measured(gpt):
     model, gm, inputs = gpt
     report = compare(model, gm, inputs)
@@ -54,6 +55,7 @@ def test_a_sound_conversion_passes_with_every_float_node_measured(gpt):
     assert model.training and gm.training                      # compared in eval mode, modes restored
 
 
+@pytest.mark.slow
 def test_the_first_node_past_tolerance_comes_with_its_chain(gpt):
     model, gm, inputs = gpt
     report = compare(model, gm, inputs, rtol=1e-5)
@@ -92,6 +94,7 @@ def test_a_planted_overflow_between_two_matmuls_is_found():
     assert compare(model, convert(model, "O1", dtype=torch.bfloat16), x).passed     # bf16 has the range
 
 
+@pytest.mark.slow
 def test_the_report_is_data_too(gpt):
     model, gm, inputs = gpt
     data = compare(model, gm, inputs).to_dict()
@@ -105,6 +108,7 @@ def test_only_converted_graphs_are_compared():
     assert amp_compiler.compare is compare and "compare" in amp_compiler.__all__
 
 
+@pytest.mark.slow
 def test_validate_onnx_returns_the_same_report_type(tmp_path):
     from amp_compiler import export_onnx, validate_onnx
     torch.manual_seed(0)

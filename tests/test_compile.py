@@ -77,6 +77,7 @@ def _used_helpers(gm) -> set:
     return {n.target for n in gm.graph.nodes if n.target in HELPERS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eval", "eval_frozen", "train"])
 @pytest.mark.parametrize("name", list(_cases()))
 def test_a_converted_graph_compiles_without_graph_breaks(name, mode):
@@ -103,6 +104,7 @@ def _explain(run, inputs):
     return torch._dynamo.explain(run)(*inputs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet", "fx_helpers", "export_helpers"])
 def test_a_compiled_train_step_matches_the_eager_one(name):
     model, inputs = _cases()[name]()

@@ -42,6 +42,7 @@ def test_tracing_errors_name_the_construct_and_the_remedy():
         convert(ValueBranch(), "O1", example_inputs=(torch.randn(3),))
 
 
+@pytest.mark.slow
 def test_composite_torch_modules_are_traced_through():
     layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
     x = torch.randn(2, 5, 16)
@@ -90,6 +91,7 @@ def test_export_fallback_leaves_the_users_module_untouched():
     assert (set(model._non_persistent_buffers_set), dict(model._buffers), dict(model._modules)) == before
 
 
+@pytest.mark.slow
 def test_converted_graph_survives_torch_save_and_deepcopy(tmp_path):
     import copy
 

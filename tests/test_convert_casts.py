@@ -191,6 +191,7 @@ class RelativePositionAttention(nn.Module):
         return attn.softmax(dim=-1) @ v.unsqueeze(1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", [True, False])
 def test_a_cast_made_before_a_write_through_a_view_is_not_read_after_it(placement):
     """issue 17 (timm mvitv2_tiny, 2.7x autocast's error): the logits' fp32 cast made for the read before

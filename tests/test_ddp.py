@@ -3,6 +3,7 @@ and a converted GraphModule trains inside DistributedDataParallel with a loss-sc
 weights stored low (low_weights: the all-reduce moves their low gradients)."""
 import contextlib
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -97,6 +98,7 @@ def check_both(rank):
     check_converted_module_in_ddp_plain_loop(rank)
 
 
+@pytest.mark.slow
 def test_two_ranks_train_identically_and_skip_overflow_together():
     run_on_two_ranks(check_both)
 

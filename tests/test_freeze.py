@@ -35,6 +35,7 @@ def _task(name: str):
     return task.model, task.example_inputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet", "bert", "gpt"])
 def test_an_inference_call_casts_no_weight_and_returns_the_same_values(name):
     model, inputs = _task(name)
@@ -95,6 +96,7 @@ def _mutations(model: nn.Module):
             data_assigned, new_parameter]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutation", [m.__name__ for m in _mutations(nn.Linear(1, 1))])
 def test_a_changed_weight_is_never_read_from_a_stale_copy(mutation):
     model, inputs = _task("resnet")
@@ -116,6 +118,7 @@ def test_a_changed_weight_is_never_read_from_a_stale_copy(mutation):
     assert amp_compiler.frozen_bytes(frozen) == _cast_bytes(frozen)        # no copy of a weight that is gone
 
 
+@pytest.mark.slow
 def test_training_mode_casts_every_call_and_trains():
     model, inputs = _task("resnet")
     frozen = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=inputs, freeze=True)
@@ -151,6 +154,7 @@ def test_freeze_takes_only_converted_models_and_survives_save(tmp_path):
         assert torch.equal(loaded(*inputs), expected)
 
 
+@pytest.mark.slow
 def test_explain_verify_and_compare_read_a_frozen_graph():
     model, inputs = _task("bert")
     frozen = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=inputs, freeze=True).eval()
@@ -171,6 +175,7 @@ class ComparisonCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow
 def test_a_frozen_call_compares_all_weights_in_one_operation_and_still_sees_a_write_through_data():
     model, inputs = _task("gpt")
     frozen = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=inputs, freeze=True).eval()
@@ -198,6 +203,7 @@ class GRUHead(nn.Module):
         return self.head(out[:, -1])
 
 
+@pytest.mark.slow
 def test_a_frozen_low_leaf_reads_cached_parameters_and_compare_still_replays_fp32():
     torch.manual_seed(0)
     model, x = GRUHead().eval(), torch.randn(2, 5, 8)
@@ -216,6 +222,7 @@ def test_a_frozen_low_leaf_reads_cached_parameters_and_compare_still_replays_fp3
     assert errors(frozen) == errors(plain)             # the fp32 replay reads fp32 weights, frozen or not
 
 
+@pytest.mark.slow
 def test_freeze_without_value_samples_makes_no_comparison_and_still_sees_an_optimizer_step():
     model, inputs = _task("gpt")
     gm = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=inputs).eval()

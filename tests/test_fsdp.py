@@ -139,6 +139,7 @@ def check_root_and_per_block(rank):
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
 
 
+@pytest.mark.slow
 def test_fully_shard_trains_like_one_process_and_skips_overflow_together():
     run_on_two_ranks(check_root_and_per_block)
 

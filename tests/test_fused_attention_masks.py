@@ -1,6 +1,7 @@
 """fused_attention_masks: an sdpa mask the captured graph expands along its last dim (stride 0) reaches the
 kernel dense on a GPU, where torch's fused attention kernels require stride 1 there (else the math kernel
 runs, in fp32); on the CPU, whose kernels take any stride, it is passed as it is."""
+import pytest
 import torch
 
 import amp_compiler
@@ -8,6 +9,7 @@ from amp_compiler.passes.fx.runtime import mask_for_fused_attention
 from real_models import REAL_MODELS
 
 
+@pytest.mark.slow
 def test_hf_bert_reads_its_expanded_mask_through_the_helper_with_unchanged_outputs():
     """Called with token ids alone, BERT builds (arange(seq) >= 0) expanded to (batch, 1, seq, seq)."""
     spec = REAL_MODELS["hf_bert_sdpa"]

@@ -3,7 +3,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 import amp_compiler
+
+pytestmark = pytest.mark.slow  # benchmarks/gpu.py's dry run: 8 s
 
 GPU_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 

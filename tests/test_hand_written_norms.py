@@ -151,3 +151,29 @@ def test_convert_onnx_keeps_the_hand_written_norm_of_an_fp32_file_fp32(tmp_path)
     convert_onnx(source, target, level="O2")
     types = _float_types(target, (*STATISTICS, "Gemm"))
     assert types == {"Pow": F32, "ReduceMean": F32, "Sqrt": F32, "Reciprocal": F32, "Gemm": F16}
+
+
+# A norm written with torch.linalg.vector_norm (ScaleNorm, L2-normalised features) is a hand-written norm too: run
+# float16 at O2 fp16, ||h|| overflows where O1 (vector_norm denied as a reduction) and fp32 give 1.0.
+class ScaleNorm(nn.Module):
+    """ScaleNorm (Nguyen & Salazar, 2019): g * x / ||x||, a hand-written norm through torch.linalg.vector_norm."""
+
+    def __init__(self, width: int = 1024):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.scale = nn.Parameter(torch.tensor(width ** 0.5))
+
+    def forward(self, x):
+        h = self.proj(x)
+        return self.scale * (h / torch.linalg.vector_norm(h, dim=-1, keepdim=True).clamp(min=1e-5))
+
+
+def test_o2_fp16_keeps_a_vector_norm_scalenorm_fp32_as_it_keeps_hand_written_rms_norms():
+    torch.manual_seed(0)
+    model, x = ScaleNorm().eval(), torch.randn(2, 1024)
+    with torch.no_grad():
+        model.proj.weight.zero_()
+        model.proj.bias.fill_(2100.0)          # activations fp16 holds, whose norm it does not
+    converted = convert(model, level="O2", dtype=torch.float16, example_inputs=(x,))
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x).float(), model(x), rtol=1e-2, atol=1e-2)

@@ -143,6 +143,7 @@ class Wrapper(nn.Module):
         return self.encoder(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("captured_in", ["eval", "train"])
 def test_a_training_branch_follows_train_and_eval(captured_in):
     torch.manual_seed(0)
@@ -213,6 +214,7 @@ class TrainingScale(nn.Module):
         return h * 2 if self.training else h
 
 
+@pytest.mark.slow
 def test_a_compiled_converted_module_follows_train_and_eval():
     torch.manual_seed(0)
     model, x = TrainingScale().eval(), torch.randn(8, 16)

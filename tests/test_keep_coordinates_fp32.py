@@ -70,6 +70,7 @@ def _errors(model, level, dtype, *inputs) -> tuple[float, float, object]:
     return ours, autocast, gm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level, dtype", CONFIGS, ids=[f"{lv}-{str(d)[6:]}" for lv, d in CONFIGS])
 def test_iterative_warp_keeps_positions_fp32_and_is_as_accurate_as_autocast(level, dtype):
     torch.manual_seed(0)
@@ -86,6 +87,7 @@ def test_iterative_warp_keeps_positions_fp32_and_is_as_accurate_as_autocast(leve
     assert "coordinates: a position computed from arange" in str(explain(gm, only="fp32"))
 
 
+@pytest.mark.slow
 def test_a_second_image_size_and_step_count():
     """The same class at another size (positions up to 95: bf16 steps of 0.5) and 3 steps."""
     torch.manual_seed(1)

@@ -31,6 +31,7 @@ def test_o0_keeps_every_op_in_its_policy_class():
     assert o0.classify("softmax")[0] == "deny"
 
 
+@pytest.mark.slow
 def test_o0_paints_nothing_on_fx_and_onnx(tmp_path):
     model, x = LinearNormNet(), torch.randn(2, 8)
     gm = amp_compiler.convert(model, "O0", example_inputs=(x,))

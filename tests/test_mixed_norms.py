@@ -90,6 +90,7 @@ def _within(errors: dict, dtype: torch.dtype) -> dict[str, bool]:
 O1_MIXED = LEVELS["O1"].mixed_norms
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("norm", O1_MIXED)
 def test_o1_mixed_norm_kernels_are_as_close_to_fp32_as_a_cast_pair(norm, dtype):
@@ -99,6 +100,7 @@ def test_o1_mixed_norm_kernels_are_as_close_to_fp32_as_a_cast_pair(norm, dtype):
         assert 0 < errors["cast_pair"]["stats"] < 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_layer_norm_as_a_mixed_kernel_misses_the_bar_on_bert_so_o1_keeps_it_fp32(dtype, monkeypatch):
     # The measurement behind O1's entry: BERT's LayerNorms are post-norm, their outputs the residual stream

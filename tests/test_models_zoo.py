@@ -58,6 +58,7 @@ def test_symbolic_trace_matches_eager(task):
         torch.testing.assert_close(traced(*task.example_inputs), task.model(*task.example_inputs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_forward_backward_runs(task, dtype):
     torch.manual_seed(0)
@@ -71,6 +72,7 @@ def test_forward_backward_runs(task, dtype):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_fp32_training_lowers_loss(task):
     def held_out_loss():
         task.model.eval()

@@ -81,6 +81,7 @@ def _by_op(gm: fx.GraphModule, op: str) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if facts(n).get("op") == op]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("low", LOW)
 @pytest.mark.parametrize("cls", [SoftmaxTopKMoE, SigmoidRouterMoE])
 def test_the_choice_is_fp32s_at_o1(cls, low):
@@ -103,6 +104,7 @@ def test_the_choice_is_fp32s_at_o1(cls, low):
     assert expert and all(facts(n)["precision"] == "low" for n in expert), "the experts' matmuls run low"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate", ["index_add", "index_put"])
 def test_scatter_add_accumulates_in_fp32_at_o2(accumulate):
     """O2 runs everything low, but the zeros_like buffer the experts' outputs are added into stays fp32:
@@ -122,6 +124,7 @@ def test_scatter_add_accumulates_in_fp32_at_o2(accumulate):
     assert experts == {"low"}, "the experts' matmuls still run low"
 
 
+@pytest.mark.slow
 def test_o2_routes_from_fp32_scores():
     """O2 lowers softmax; the routing scores and the choice stay fp32, so a top-k never meets two scores bf16
     made equal (0.2510 and 0.2515 are one bf16 number)."""

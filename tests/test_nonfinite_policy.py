@@ -77,6 +77,7 @@ def test_drop_overflow_update_false_applies_the_step_and_the_flag_says_applied()
     assert "1 applied despite inf/nan gradients" in step.report()
 
 
+@pytest.mark.slow
 def test_no_manager_raises_after_bad_step_max_consecutive_skips_with_one_warning(one_thread):
     """The issue's O1 case: NaN on every step used to poison the parameters while reporting overflow."""
     model = tiny_model()
@@ -94,6 +95,7 @@ def test_no_manager_raises_after_bad_step_max_consecutive_skips_with_one_warning
     assert torch.isfinite(model[0].weight).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_manager", [
     lambda: FixedLossScaleManager(1.0, bad_step_max=6),
     lambda: FixedLossScaleManager(1.0, drop_overflow_update=False, bad_step_max=6),
@@ -111,6 +113,7 @@ def test_every_manager_raises_past_its_bad_step_max_and_says_what_to_check(make_
         step(*batch(float("inf")))
 
 
+@pytest.mark.slow
 def test_a_clean_step_ends_the_run_and_rearms_the_warning():
     model = tiny_model()
     manager = FixedLossScaleManager(1.0, bad_step_max=8)
@@ -141,6 +144,7 @@ class SeedsOnlyManager:
         return True
 
 
+@pytest.mark.slow
 def test_a_custom_manager_is_held_to_the_same_limit():
     model = tiny_model()
     step = build_train_network(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),

@@ -38,6 +38,7 @@ def test_convert_onnx_writes_a_valid_model_and_prints_the_summary(cli, tmp_path,
     assert "level O2" in printed and "op_block_list: MatMul" in printed
 
 
+@pytest.mark.slow
 def test_export_builds_the_factory_and_validates(cli, tmp_path, capsys):
     dst = tmp_path / "mlp.onnx"
     assert cli("export", "models:build", dst, "--kwarg", "name=mlp", "--kwarg", "size='small'", "--validate") == 0
@@ -61,6 +62,7 @@ def test_usage_errors_exit_2_with_one_line(cli, tmp_path, capsys, argv, message)
     assert message in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_export_of_a_bare_module_takes_input_shapes(cli, tmp_path):
     dst = tmp_path / "linear.onnx"
     assert cli("export", "torch.nn:Linear", dst, "--kwarg", "in_features=4", "--kwarg", "out_features=2",

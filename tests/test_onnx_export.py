@@ -32,6 +32,7 @@ def net():
     return Net().eval()
 
 
+@pytest.mark.slow
 def test_a_weight_beyond_fp16_is_exported_fp32_and_reported(tmp_path, net):
     with torch.no_grad():
         net.fc2.weight[0, 0] = 1.0e5
@@ -45,6 +46,7 @@ def test_a_weight_beyond_fp16_is_exported_fp32_and_reported(tmp_path, net):
     assert np.isfinite(out).all() and np.allclose(out, net(x).detach().numpy(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.slow
 def test_dynamic_batch(tmp_path, net):
     path = str(tmp_path / "dynamic.onnx")
     export_onnx(net, (torch.randn(2, 8),), path, dynamic_shapes=({0: torch.export.Dim("batch")},))
@@ -54,6 +56,7 @@ def test_dynamic_batch(tmp_path, net):
     assert out.shape == (5, 4) and np.allclose(out, net(x).detach().numpy(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.slow
 def test_keep_io_types_false_takes_and_returns_fp16(tmp_path, net):
     path = str(tmp_path / "io16.onnx")
     export_onnx(net, (torch.randn(2, 8),), path, keep_io_types=False)
@@ -63,6 +66,7 @@ def test_keep_io_types_false_takes_and_returns_fp16(tmp_path, net):
     assert model.graph.output[0].type.tensor_type.elem_type == F16
 
 
+@pytest.mark.slow
 def test_o3_norm_weights_follow_the_fp16_data(tmp_path, net):
     """torch runs layer_norm on fp16 data with fp32 weights; ONNX needs one type: the weights become fp16."""
     path = str(tmp_path / "o3.onnx")
@@ -74,6 +78,7 @@ def test_o3_norm_weights_follow_the_fp16_data(tmp_path, net):
     assert report.pass_counts["unify_input_types"]["mixed_dtype_inputs_cast"] == 2
 
 
+@pytest.mark.slow
 def test_o1_norm_stays_fp32(tmp_path, net):
     path = str(tmp_path / "o1.onnx")
     export_onnx(net, torch.randn(2, 8), path)       # a single tensor is accepted for args
@@ -107,6 +112,7 @@ class AttentionNet(nn.Module):
         return self.out(self.attn(q, k, v).transpose(1, 2).flatten(-2))
 
 
+@pytest.mark.slow
 def test_the_softmax_of_a_decomposed_attention_runs_fp32_unless_forced_low(tmp_path):
     torch.manual_seed(0)
     model, x = AttentionNet().eval(), torch.randn(2, 5, 8)
@@ -131,6 +137,7 @@ class EmbeddingNorm(nn.Module):
         return self.head(self.norm(self.embed(tokens)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peak, stored", [(1.0, F16), (1.0e5, F32)])
 def test_an_embedding_table_is_stored_fp16_unless_fp16_cannot_hold_it(tmp_path, peak, stored):
     torch.manual_seed(0)

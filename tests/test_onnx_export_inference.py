@@ -51,6 +51,7 @@ def exported(request, tmp_path_factory):
                            convert=(converted, convert_report), export=(exported_path, export_report))
 
 
+@pytest.mark.slow
 def test_export_has_no_more_casts_and_weight_bytes_than_convert_onnx(exported):
     (_, by_convert), (path, by_export) = exported.convert, exported.export
     assert_valid(path)
@@ -240,6 +241,7 @@ def test_the_torch_export_front_end_graph_folds_too():
     assert [(p.conv, p.norm) for p in pairs] == [("conv", "bn")]
 
 
+@pytest.mark.slow
 def test_export_folds_and_matches_the_model(tmp_path):
     model, x = _calibrated(ConvBlock()), torch.randn(2, 4, 8, 8)
     path = str(tmp_path / "block.onnx")
@@ -256,6 +258,7 @@ def test_export_folds_and_matches_the_model(tmp_path):
     assert np.abs(out - expected).max() <= FP16_TOLERANCE * np.abs(expected).max()
 
 
+@pytest.mark.slow
 def test_a_norm_named_by_a_force_pattern_is_not_folded(tmp_path):
     model, x = _calibrated(ConvBlock()), torch.randn(2, 4, 8, 8)
     path = str(tmp_path / "forced.onnx")

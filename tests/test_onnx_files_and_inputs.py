@@ -142,6 +142,7 @@ def test_stale_staging_files_for_the_destination_are_removed_by_the_next_write(t
     assert_valid(str(tmp_path / "out.onnx"))
 
 
+@pytest.mark.slow
 def test_a_killed_write_leaves_its_staging_file_where_the_docstring_says(tmp_path):
     """What the cleanup must recognise: the name a real killed write leaves (SIGKILL, no finally runs)."""
     src = save(small_model(), tmp_path, "src.onnx")

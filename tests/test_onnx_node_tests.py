@@ -10,6 +10,8 @@ import pytest
 
 from onnx_node_cases import SourceNotRunnable, cases_by_op_type, check_conversion, float_cases
 
+pytestmark = pytest.mark.slow  # 569 ONNX backend cases, generated at import (10 s before the first test)
+
 # Cases convert_onnx refused or changed on a second conversion before issue 9, and cases whose floats live
 # only in sequences, optionals or subgraphs.
 NAMED = ("test_affine_grid_2d_expanded", "test_affine_grid_3d_align_corners_expanded", "test_mvn",

@@ -3,7 +3,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import amp_compiler
+
+pytestmark = pytest.mark.slow  # fresh interpreters: 10 s
 
 ONNX_NAMES = ["export_onnx", "convert_onnx", "validate_onnx", "OnnxConversionReport"]
 HEAVY_MODULES = ["onnx", "onnx_ir", "onnxscript", "onnxruntime"]

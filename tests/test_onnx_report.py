@@ -81,6 +81,7 @@ def test_calibration_says_which_nodes_the_ranges_kept_fp32(tmp_path):
     assert calibrated.islands[0]["rule"].startswith("range: max |x| = 1.4e5 > 65504 on 2 of 3 samples")
 
 
+@pytest.mark.slow
 def test_table_by_module_groups_rows_and_folds_the_repeated_block(two_blocks):
     plain, grouped = two_blocks.table().splitlines(), two_blocks.table(by_module=True).splitlines()
     assert len(plain) == len(two_blocks.rows)                  # one line per node, as before
@@ -110,6 +111,7 @@ def test_html_has_the_summary_and_one_coloured_row_per_node(two_blocks):
         assert html.count(f"background:{PRECISION_COLOURS[kind]}") == rows
 
 
+@pytest.mark.slow
 def test_export_onnx_report_has_islands_and_module_groups(tmp_path):
     report = export_onnx(TwoBlocks().eval(), (torch.randn(2, 8),), tmp_path / "fp16.onnx", progress=False)
     assert [island["nodes"] for island in report.islands] == [["softmax"], ["softmax_1"]]
@@ -117,6 +119,7 @@ def test_export_onnx_report_has_islands_and_module_groups(tmp_path):
     assert {"layers.0", "layers.1", "head"} <= set(report.table(by_module=True).splitlines())
 
 
+@pytest.mark.slow
 def test_export_onnx_progress_steps_through_export_passes_and_save(tmp_path, monkeypatch, capsys):
     export_onnx(TwoBlocks().eval(), (torch.randn(2, 8),), tmp_path / "quiet.onnx")   # quick, not a terminal
     assert "export_onnx" not in capsys.readouterr().err

@@ -43,6 +43,7 @@ class TwoLayer(nn.Module):
         return torch.softmax(self.fc2(torch.relu(self.fc1(x))), dim=-1)
 
 
+@pytest.mark.slow
 def test_an_export_validates_against_its_module(tmp_path):
     torch.manual_seed(0)
     model, x = TwoLayer(), torch.randn(3, 8)

@@ -14,6 +14,8 @@ from amp_compiler.onnx.export import export_fp32_reference
 from models import ZOO_NAMES, build
 from onnx_testing import F16, F32, all_nodes, assert_valid, run, same_model, value_types
 
+pytestmark = pytest.mark.slow  # the zoo exported and run in ONNX Runtime: 25 s
+
 LEVELS = ("O1", "O2", "O3")
 WEIGHT_READERS = {"MatMul": 1, "Gemm": 1, "Conv": 1}     # op type -> index of its weight input
 FP32_AT_O1 = ("LayerNormalization", "Softmax", "ReduceSum", "Exp", "Pow")   # ReduceMean: an average runs low

@@ -388,6 +388,7 @@ def test_every_op_a_level_runs_low_has_a_sample_here():
     assert not missing, f"ops a level lets run low with no sample call in this file: {sorted(missing)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype_name", DTYPES)
 def test_every_op_a_level_runs_low_has_a_cpu_kernel_or_stays_fp32_on_cpu(dtype_name):
     """The kernel runs in the low dtype on CPU (each spelling), or the CPU overlay keeps the op fp32 there,
@@ -500,6 +501,7 @@ def _s3d_error_ratio() -> tuple[float, float]:
     return float((ours - reference).abs().max() / scale), float((autocast - reference).abs().max() / scale)
 
 
+@pytest.mark.slow
 def test_torchvision_s3d_runs_at_o1_bf16_on_cpu_within_twice_autocasts_error():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,4 +1,5 @@
 """Property-based: random small models built from ops of the policy table stay valid and close to fp32."""
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -43,6 +44,7 @@ class RandomNet(nn.Module):
         return h
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(codes=st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=8),
        dtype=st.sampled_from([torch.float16, torch.bfloat16]),

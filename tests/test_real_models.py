@@ -33,6 +33,8 @@ from golden import decisions as golden
 from onnx_testing import onnx_inputs
 from real_models import ONNX_NAMES, REAL_MODEL_NAMES, REAL_MODELS, TRAIN_NAMES
 
+pytestmark = pytest.mark.real_models
+
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 CONFIGS = {"O1-fp16": ("O1", FP16), "O1-bf16": ("O1", BF16), "O2-bf16": ("O2", BF16)}
 AUTOCAST_SLACK = 2.0

@@ -85,6 +85,7 @@ def test_the_view_holds_every_node_with_its_precision_and_rule(gpt_o1, tmp_path)
     assert all(i < position[n["name"]] for n in view["nodes"] for i in n["inputs"])   # edges point forward
 
 
+@pytest.mark.slow
 def test_a_model_run_as_written_shows_its_converted_children(tmp_path):
     model = ListLoop()      # a forward over a list of images: only its children convert
     converted = convert(model, "O1", dtype=torch.bfloat16, example_inputs=([torch.randn(3, 8, 8)],))
@@ -110,6 +111,7 @@ def onnx_fp16(tmp_path_factory):
     return path, report
 
 
+@pytest.mark.slow
 def test_an_onnx_file_is_drawn_from_its_types_with_the_reports_rules(onnx_fp16, tmp_path):
     import onnx_ir as ir
     path, report = onnx_fp16
@@ -162,6 +164,7 @@ def test_svg_is_the_same_picture_laid_out_in_python(gpt_o1, tmp_path):
         assert all(ys[j] < ys[i] for j in node["inputs"]), names[i]
 
 
+@pytest.mark.slow
 def test_an_onnx_file_is_drawn_as_svg_too(onnx_fp16, tmp_path):
     path, report = onnx_fp16
     drawn, _ = svg_nodes(render(path, tmp_path / "onnx.svg", report=report))

@@ -113,6 +113,7 @@ def test_diff_names_every_node_whose_dtype_changed(gpt, gpt_o1):
     assert diff(gpt_o1, gpt_o1).rows == [] and "no node changed dtype" in str(diff(gpt_o1, gpt_o1))
 
 
+@pytest.mark.slow
 def test_a_reloaded_module_explains_itself_when_its_decisions_were_preserved(gpt, gpt_o1):
     def reload(module):
         buffer = io.BytesIO()

@@ -67,6 +67,7 @@ def test_checks_between_passes_blame_the_pass_that_broke_the_graph():
     assert "in pass 'breaks' of the test pipeline" in _trace(caught.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_every_pass_keeps_the_invariants_on_fx_and_onnx(level, tmp_path):
     model, x = LinearNormNet(), torch.randn(2, 8)

@@ -6,6 +6,8 @@ from amp_compiler import convert
 from amp_testing import AtenDtypeRecorder, WithLoss
 from models import ZOO_NAMES, build
 
+pytestmark = pytest.mark.slow  # the zoo's ATen calls recorded at O1: 16 s
+
 MATMUL_CONV = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution")
 MIXED_NORMS = ("native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
                "_native_batch_norm_legit_no_training", "native_group_norm")

@@ -80,6 +80,7 @@ def test_graph_module_shows_loss_scale_unscale_and_overflow_check_nodes():
     assert "loss_scale" in gm.code and "reciprocal" in gm.code
 
 
+@pytest.mark.slow
 def test_o0_step_matches_a_plain_fp32_loop_including_dropout_and_batchnorm():
     model, batches = tiny_task()
     reference = copy.deepcopy(model)
@@ -137,6 +138,7 @@ def train_underflow_case(level, manager, steps=4):
     return model, initial, (x, y)
 
 
+@pytest.mark.slow
 def test_gradients_below_fp16_range_train_like_fp32_only_with_dynamic_scaling():
     fp32_model, initial, (x, y) = train_underflow_case("O0", None)
     output = initial(x).detach().requires_grad_()
@@ -151,6 +153,7 @@ def test_gradients_below_fp16_range_train_like_fp32_only_with_dynamic_scaling():
         assert torch.equal(pfix, p0)                          # every fp16 gradient flushed to zero
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("poison", [float("inf"), float("nan")])
 def test_injected_overflow_skips_the_step_and_leaves_everything_bit_identical(poison):
     model, batches = tiny_task()
@@ -189,6 +192,7 @@ def test_bf16_default_is_scale_one_with_non_finite_steps_skipped():
 
 
 # --- caching, train/eval, dropout, frozen parameters ---------------------------------------------------
+@pytest.mark.slow
 def test_new_shapes_are_traced_once_and_reused():
     model, batches = tiny_task(dropout=0.0)
     step = build_train_network(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(),
@@ -202,6 +206,7 @@ def test_new_shapes_are_traced_once_and_reused():
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.slow
 def test_eval_mode_of_the_model_is_followed():
     model, batches = tiny_task()
     step = build_train_network(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(),
@@ -277,6 +282,7 @@ def test_low_precision_master_weights_and_bad_managers_are_refused():
 
 
 # --- the demo and the zoo ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_demo_training_says_the_first_skips_are_the_scale_calibrating_itself():
     task = build("mlp")
     before = copy.deepcopy(task.model.state_dict())
@@ -291,6 +297,7 @@ def test_demo_training_says_the_first_skips_are_the_scale_calibrating_itself():
     assert all(torch.equal(v, task.model.state_dict()[k]) for k, v in before.items())
 
 
+@pytest.mark.slow
 def test_demo_training_default_starts_at_2_16_and_says_so_when_nothing_is_skipped():
     rows, report = demo_training(build("mlp"), steps=3, level="O2")
     assert rows[0][2] == 2 ** 16 and not any(r[3] for r in rows)
@@ -330,6 +337,7 @@ def fp32_reference(name):
     return train_zoo(name, "O0", torch.float16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("name", ZOO_NAMES)

@@ -6,6 +6,8 @@ from amp_compiler import convert, explain
 from amp_testing import assert_cast_invariants, assert_close_to_fp32
 from models import ZOO_NAMES, build
 
+pytestmark = pytest.mark.slow  # every zoo model converted and trained at every level: 62 s
+
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])

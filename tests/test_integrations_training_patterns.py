@@ -1,5 +1,6 @@
-"""A critical review of the integrations (apex.py, lightning.py, huggingface.py, accelerate.py): each test is a
-probe that found, or rules out, a silently wrong result or a crash in a common training pattern."""
+"""The integrations (apex.py, lightning.py, huggingface.py, accelerate.py) in common training patterns: eval after
+a low-weights step, initialize twice, a backward outside scale_loss, a scheduler built first, gradient accumulation,
+manual optimization with two optimizers; each test rules out a silently wrong result or a crash."""
 import copy
 import logging
 import warnings
