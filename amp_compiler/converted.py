@@ -35,8 +35,15 @@ def compiled_record(model):
 
 
 def is_converted(model) -> bool:
-    """Whether `model` is a conversion: a GraphModule from convert(), or a model converted in place."""
-    return bool(converted_graphs(model)) or compiled_record(model) is not None   # compiled: before its first call too
+    """Whether `model` is a conversion: a GraphModule from convert() (or one torch.load brought back), a model run
+    as written with converted children, or a model converted in place (before its first call too)."""
+    return compiled_record(model) is not None or _carries_a_summary(model)
+
+
+def _carries_a_summary(model) -> bool:
+    """convert()'s record in the module's own __dict__ (not an attribute a wrapper forwards to the model it holds)."""
+    return isinstance(model, nn.Module) and ("amp" in (model.__dict__.get("meta") or {})
+                                             or SAVED_ATTRIBUTE in model.__dict__)
 
 
 def converted_graphs(model) -> list[ConvertedGraph]:
@@ -45,8 +52,7 @@ def converted_graphs(model) -> list[ConvertedGraph]:
     record = compiled_record(model)
     if record is not None:
         return [ConvertedGraph(prefix, gm) for prefix, gm, _ in record.graphs(model)]
-    if not isinstance(model, nn.Module) or not ("amp" in (model.__dict__.get("meta") or {})
-                                                or SAVED_ATTRIBUTE in model.__dict__):   # not a wrapper's forwarding
+    if not _carries_a_summary(model):
         return []
     summary = graph_summary(model)   # put back from the saved copy after torch.save / torch.load
     if "children" in summary:

@@ -165,8 +165,9 @@ FX_PIPELINE = Pipeline("fx", (
 def run_fx_pipeline(gm: fx.GraphModule, config, example_inputs=None, calibration_data=None) -> dict[str, dict]:
     """Run FX_PIPELINE on `gm` (in place); returns what each pass counted, by pass. The Python code is
     generated once, here: the passes edit gm.graph."""
-    counts = FX_PIPELINE.run(FxState(gm, config, example_inputs, calibration_data=calibration_data))
-    if PAINTS(FxState(gm, config)):
+    state = FxState(gm, config, example_inputs, calibration_data=calibration_data)
+    counts = FX_PIPELINE.run(state)
+    if PAINTS(state):
         gm.graph.lint()
     gm.recompile()
     return counts
@@ -186,8 +187,8 @@ class OnnxState:
 
     @property
     def low(self):   # the low dtype as ONNX names it
-        import onnx_ir as ir
-        return {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}[self.config.low_dtype_name]
+        from amp_compiler.passes.onnx.spec import ir_low_dtype
+        return ir_low_dtype(self.config.low_dtype_name)
 
     @cached_property
     def rules(self):

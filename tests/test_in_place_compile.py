@@ -283,3 +283,17 @@ def test_inductor_compiled_model_matches_the_eager_in_place_model():
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4)   # measured: identical
     assert not torch.equal(out, fp32)   # bf16 rounding shows: it ran low, as the eager in-place model does
     assert_converted_low(model, expected=3)
+
+
+def test_a_child_restored_after_compile_children_leaves_the_others_explained_and_frozen(fresh_dynamo):
+    from amp_compiler.dynamo.compile import compile_children, restore_compiled
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    compile_children(model, "O1", dtype=torch.bfloat16, backend="eager")
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        model.eval()(x)
+    assert {prefix for prefix, _ in amp_compiler.converted.converted_graphs(model)} == {"0", "2"}
+    restore_compiled(model[2])   # the user takes one child back
+    assert {prefix for prefix, _ in amp_compiler.converted.converted_graphs(model)} == {"0"}
+    assert {row["module"].split(".")[0] for row in amp_compiler.explain(model).rows} == {"0"}
+    assert amp_compiler.freeze(model) is model and len(compiled_record(model).forwards(model)) == 1

@@ -25,7 +25,6 @@ from amp_compiler.dynamo.fp8_histories import Fp8HistoryStore
 from amp_compiler.dynamo.report import compare_compiled, explain_compiled, verify_compiled
 from amp_compiler.dynamo.backend import RECOMPILE_LIMIT, amp_backend, forget_graphs, graphs, level_autocast
 
-ATTRIBUTE = COMPILED_ATTRIBUTE   # on the user's model: its CompiledForward (also its `forward`)
 
 
 def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", dynamic=None,  # noqa: A001
@@ -48,12 +47,12 @@ def compile(model: nn.Module, level: str = "O1", *, backend: str = "inductor", d
         raise TypeError(f"amp_compiler.compile takes an nn.Module; got {type(model).__name__} "
                         "(for a function, torch.compile(fn, backend=amp_compiler.dynamo.amp_backend(config)))")
     config = with_model_lists(make_config(level, **overrides), model)   # _keep_in_fp32_modules read once, here
-    if ATTRIBUTE in model.__dict__:   # compiled before: this compilation replaces that one
+    if COMPILED_ATTRIBUTE in model.__dict__:   # compiled before: this compilation replaces that one
         restore_compiled(model)
     calibration = GraphCalls() if calibration_data is not None else None
     options = {"backend": backend, "dynamic": dynamic, "weight_cache": weight_cache}
     forward = CompiledForward(model, config, model.__dict__.get("forward"), options, calibration)
-    model.__dict__[ATTRIBUTE] = model.__dict__["forward"] = forward
+    model.__dict__[COMPILED_ATTRIBUTE] = model.__dict__["forward"] = forward
     forward.nested = _compile_encoder(model, config, options, calibration)
     if forward.fp8_histories is not None:
         forward.fp8_histories.not_mine = forward.nested
@@ -102,13 +101,13 @@ class CompiledForward:
         """(the module path, the graph, its CompiledForward) of every graph made so far, those of a submodule
         compiled with the model (its encoder) under its path."""
         return [("", gm, self) for gm in graphs(model)] + [
-            (f"{path}.{inner}" if inner else path, gm, forward) for path in self.nested
-            for inner, gm, forward in compiled_record(model.get_submodule(path)).graphs(model.get_submodule(path))]
+            (f"{path}.{inner}" if inner else path, gm, forward) for path, nested, record in _still_compiled(
+                model, self.nested) for inner, gm, forward in record.graphs(nested)]
 
     def forwards(self, model: nn.Module) -> list[CompiledForward]:
         """This record and those of the submodules compiled with it."""
-        return [self, *(forward for path in self.nested
-                        for forward in compiled_record(model.get_submodule(path)).forwards(model.get_submodule(path)))]
+        return [self, *(forward for _, nested, record in _still_compiled(model, self.nested)
+                        for forward in record.forwards(nested))]
 
     # The tools' entry points: a compiled model's graphs exist only once it is called, so it reports itself
     def explain(self, model: nn.Module):
@@ -200,7 +199,7 @@ def compile_per_block(model: nn.Module, config, options: dict, note: str) -> nn.
             visit(child, f"{path}.{name}" if path else name)
 
     visit(model, "")
-    model.__dict__[ATTRIBUTE] = CompiledChildren(config, paths, note=note)
+    model.__dict__[COMPILED_ATTRIBUTE] = CompiledChildren(config, paths, note=note)
     return model
 
 
@@ -218,7 +217,7 @@ def _compile_encoder(model: nn.Module, config, options: dict, calibration: Graph
         return ()
     path = next((name for name, module in model.named_modules() if module is encoder and name), None) \
         if isinstance(encoder, nn.Module) else None
-    if path is None or ATTRIBUTE in encoder.__dict__:
+    if path is None or COMPILED_ATTRIBUTE in encoder.__dict__:
         return ()
     _compile_with(encoder, config, options, calibration)   # the model's samples reach it through the model
     return (path,)
@@ -226,10 +225,10 @@ def _compile_encoder(model: nn.Module, config, options: dict, calibration: Graph
 
 def _compile_with(module: nn.Module, config, options: dict, calibration: GraphCalls | None = None) -> None:
     """compile(module) with an existing config (the model's, lists included) and compile()'s own options."""
-    if ATTRIBUTE in module.__dict__:
+    if COMPILED_ATTRIBUTE in module.__dict__:
         restore_compiled(module)
     forward = CompiledForward(module, config, module.__dict__.get("forward"), options, calibration)
-    module.__dict__[ATTRIBUTE] = module.__dict__["forward"] = forward
+    module.__dict__[COMPILED_ATTRIBUTE] = module.__dict__["forward"] = forward
 
 
 def _first_calls(forward: CompiledForward, args: tuple, kwargs: dict):
@@ -339,16 +338,11 @@ class CompiledChildren:
     runs_a_forward = False
 
     def graphs(self, model: nn.Module) -> list:
-        return [(f"{name}.{path}" if path else name, gm, forward) for name, child, record in self._compiled(model)
-                for path, gm, forward in record.graphs(child)]
+        return [(f"{name}.{path}" if path else name, gm, forward)
+                for name, child, record in _still_compiled(model, self.children) for path, gm, forward in record.graphs(child)]
 
     def forwards(self, model: nn.Module) -> list[CompiledForward]:
-        return [forward for _, child, record in self._compiled(model) for forward in record.forwards(child)]
-
-    def _compiled(self, model: nn.Module) -> list:
-        """(path, child, its record) of the children still compiled (a user may restore one)."""
-        children = [(name, model.get_submodule(name)) for name in self.children]
-        return [(name, child, compiled_record(child)) for name, child in children if compiled_record(child) is not None]
+        return [forward for _, child, record in _still_compiled(model, self.children) for forward in record.forwards(child)]
 
     explain, verify, compare = CompiledForward.explain, CompiledForward.verify, CompiledForward.compare
 
@@ -370,8 +364,15 @@ def compile_children(module: nn.Module, level: str = "O1", **options) -> nn.Modu
     for name in names:
         if compiled_record(getattr(module, name)) is None:   # a child converted already keeps its conversion
             compile(getattr(module, name), level, **options)
-    module.__dict__[ATTRIBUTE] = CompiledChildren(config, names)
+    module.__dict__[COMPILED_ATTRIBUTE] = CompiledChildren(config, names)
     return module
+
+
+def _still_compiled(model: nn.Module, paths) -> list[tuple[str, nn.Module, object]]:
+    """(path, submodule, its record) for the submodules at `paths` that are still compiled (a user may restore
+    one): the nested and per-child records a CompiledForward or CompiledChildren reaches its graphs through."""
+    found = [(path, model.get_submodule(path)) for path in paths]
+    return [(path, module, compiled_record(module)) for path, module in found if compiled_record(module) is not None]
 
 
 def compiled_graphs(model: nn.Module) -> list[tuple[str, object, object]]:
@@ -384,7 +385,7 @@ def compiled_graphs(model: nn.Module) -> list[tuple[str, object, object]]:
 def restore_compiled(model: nn.Module) -> nn.Module:
     """Undo amp_compiler.compile(model) (or compile_children): its forward as before, the graphs dropped with the
     compiled frame."""
-    state = model.__dict__.pop(ATTRIBUTE)
+    state = model.__dict__.pop(COMPILED_ATTRIBUTE)
     if isinstance(state, CompiledChildren):
         for name in state.children:
             child = model.get_submodule(name)

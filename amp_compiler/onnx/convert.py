@@ -27,7 +27,6 @@ from amp_compiler.passes.onnx.lower_fp8_matmuls import fp8_opset
 from amp_compiler.passes.pipelines import ONNX_PIPELINE, OnnxState
 from amp_compiler.passes.runner import count
 
-IR_LOW_DTYPES = {torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
 
 
 # ONNX files at the fp8 level run their other low ops in float16 (the default) or bfloat16; torch's fp8 level

@@ -45,7 +45,7 @@ from amp_compiler.config import AmpConfig, make_config
 from amp_compiler.graph_conversion import compile_graph
 from amp_compiler.frontend import CapturedGraph, TracingError, capture, graph_module_to_compile
 from amp_compiler.frontend.export_capture import settle_training_flag
-from amp_compiler.onnx.convert import IR_LOW_DTYPES, conversion_warnings, onnx_config
+from amp_compiler.onnx.convert import conversion_warnings, onnx_config
 from amp_compiler.onnx.files import save_onnx_model, weight_bytes
 from amp_compiler.onnx.progress import ConversionProgress, announcing
 from amp_compiler.onnx.report import OnnxConversionReport, count_casts
@@ -57,7 +57,7 @@ from amp_compiler.passes.fx.fp8_runtime import fp8_export_markers
 from amp_compiler.passes.fx.out_of_place_activations import find_inplace_activations, make_out_of_place_in_graph
 from amp_compiler.passes.fx.runtime import amp_cast, amp_module_call
 from amp_compiler.passes.onnx.lower_fp8_matmuls import fp8_opset, onnx_recipe
-from amp_compiler.passes.onnx.spec import is_float_type
+from amp_compiler.passes.onnx.spec import ir_low_dtype, is_float_type
 from amp_compiler.passes.painting.calibrate_ranges import check_calibration_data
 from amp_compiler.passes.policy.numerics import FP16_MAX
 from amp_compiler.passes.pipelines import EXPORT_PIPELINE, OnnxState
@@ -132,7 +132,7 @@ def export_rows(gm: fx.GraphModule, config: AmpConfig | None = None) -> list[dic
     explained = explain(gm)
     island_of = {node: i for i, island in enumerate(explained.islands) for node in island["nodes"]}
     torch_recipe = f"fp8 ({config.fp8.recipe()})" if config is not None and config.fp8 is not None else None
-    onnx_form = f"fp8 ({onnx_recipe(config.fp8, IR_LOW_DTYPES[config.low_dtype])})" if torch_recipe else None
+    onnx_form = f"fp8 ({onnx_recipe(config.fp8, ir_low_dtype(config.low_dtype_name))})" if torch_recipe else None
     return [{"node": r["node"], "op_type": "(fx)", "op": r["op"], "precision": r["dtype"],
              "rule": r["rule"].replace(torch_recipe, onnx_form, 1) if torch_recipe and r["rule"] else r["rule"],
              "module": r["module"], "class": r["class"], "island": island_of.get(r["node"], -1)}

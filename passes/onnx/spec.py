@@ -42,6 +42,14 @@ CONSTANT_SOURCES = ("Constant", "ConstantOfShape")
 # (op type, reduction attribute). Painting keeps these fp32 at every level.
 ORT_REFUSES_FLOAT16 = {("ScatterND", "add"), ("ScatterND", "mul"), ("ScatterND", "max"), ("ScatterND", "min"),
                        ("ScatterElements", "add"), ("ScatterElements", "mul")}
+LOW_IR_DTYPES = {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}   # by torch's dtype name
+
+
+def ir_low_dtype(name: str) -> ir.DataType:
+    """The ONNX type of a conversion's low dtype, named as torch names it ("float16", "bfloat16")."""
+    return LOW_IR_DTYPES[name]
+
+
 _TYPE_STRINGS = {ir.DataType.FLOAT16: "tensor(float16)", ir.DataType.BFLOAT16: "tensor(bfloat16)",
                  ir.DataType.FLOAT: "tensor(float)"}
 
