@@ -15,10 +15,10 @@ from torch import nn
 
 import lightning.pytorch as pl
 from lightning.fabric import Fabric
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy
 
 import amp_compiler
-from amp_compiler.lightning import AmpFabricPrecision, AmpPrecision
+from amp_compiler.lightning import AmpFabricPrecision, AmpFSDPPrecision, AmpPrecision
 from amp_testing import ProfiledDtypes
 
 STEPS = 3
@@ -246,15 +246,42 @@ def test_bad_arguments_and_fsdp_are_refused_with_the_alternative():
         FSDPStrategy(precision_plugin=AmpPrecision())
 
 
-class ParallelizedByTheUser(Classifier):
-    def configure_model(self):   # ModelParallelStrategy requires it (FSDP2 / tensor parallel go here)
-        pass
+def test_fsdp1_takes_amp_fsdp_precision_with_the_levels_mixed_precision_and_no_autocast():
+    """Lightning's FSDPStrategy (FSDP1) accepts only an FSDPPrecision and runs on GPUs only: what runs here is
+    the plugin's side (the strategy takes it, FSDP1's MixedPrecision from the level, no autocast, the loss scaled
+    once in a fit); FSDP1 training itself is untested."""
+    from torch.distributed.fsdp import MixedPrecision
+    plugin = AmpFSDPPrecision("O1", dtype=torch.bfloat16)
+    strategy = FSDPStrategy(precision_plugin=plugin)
+    assert strategy.precision_plugin is plugin
+    assert strategy.mixed_precision_config == MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                                             buffer_dtype=torch.float32)   # not bf16-mixed's bf16
+    assert AmpFSDPPrecision("O3", dtype=torch.float16).mixed_precision_config.param_dtype == torch.float16
+    assert AmpFSDPPrecision("O3").mixed_precision_config.reduce_dtype == torch.float32
+    with plugin.forward_context():   # FSDPPrecision's would be torch.autocast("cuda")
+        assert not torch.is_autocast_enabled("cuda") and not torch.is_autocast_enabled("cpu")
+    with pytest.raises(Exception, match="GPU"):   # Lightning's own requirement
+        pl.Trainer(accelerator="cpu", strategy=FSDPStrategy(precision_plugin=plugin))
+    # the plugin's hooks in a fit (one device): the gradients reach on_before_optimizer_step unscaled, once
+    seen = []
+
+    class Recorded(Classifier):
+        def on_before_optimizer_step(self, optimizer):
+            seen.append(torch.cat([p.grad.flatten() for p in self.parameters()]).norm().item())
+
+    fit(Recorded(), plugins=[AmpFSDPPrecision(dtype=torch.float16, scaler=amp_compiler.GradScaler(
+        init_scale=2.0 ** 12))], max_steps=1)
+    fit(Recorded(), max_steps=1)
+    ours, reference = seen
+    assert abs(ours - reference) <= 2e-2 * reference, (ours, reference)   # 4096x off if scaled twice
 
 
-def test_fsdp2_model_parallel_is_refused_naming_the_alternatives():
-    trainer = pl.Trainer(**TRAINER_SETTINGS, strategy=ModelParallelStrategy(), plugins=[AmpPrecision()])
-    with pytest.raises(ValueError, match='does not support ModelParallelStrategy.*strategy="ddp"'):
-        trainer.fit(ParallelizedByTheUser(), batches())
+def test_mp_policy_is_the_levels_fsdp2_mixed_precision_policy():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    assert AmpPrecision("O1").mp_policy == MixedPrecisionPolicy()   # fp32 gathers and reduction
+    assert AmpPrecision("O3", dtype=torch.float16).mp_policy == MixedPrecisionPolicy(
+        param_dtype=torch.float16, reduce_dtype=torch.float32)
+    assert AmpFabricPrecision("O2").mp_policy == MixedPrecisionPolicy()
 
 
 # -- Fabric ----------------------------------------------------------------------------------------------------
