@@ -281,7 +281,9 @@ class AmpPrecision(ScalerHooks, Precision):
             histories = _stored_histories(self.amp.model)
         if histories:
             checkpoint[FP8_HISTORIES] = histories
-        by_rank = _gathered_by_rank(histories)
+        # only where the conversion keeps histories (the same on every rank): other saves run no collective
+        by_rank = _gathered_by_rank(histories) if self.amp.model is not None and history_stores(self.amp.model) \
+            else None
         if by_rank is not None and any(by_rank):
             checkpoint[FP8_HISTORIES_BY_RANK] = by_rank
 
