@@ -32,8 +32,10 @@ backward (`compute_loss()` recomputes the loss of that batch) with the scale the
 says which node went inf/nan first (`amp_compiler.train.overflow_report`); the report is logged and recorded on
 the scaler. The replay runs under a forked RNG (training's random stream is untouched; dropout draws new masks).
 
-DeepSpeed is refused (its engine runs backward and loss scaling itself). DDP/FSDP are not tested with this
-recipe; the scaler all-reduces its overflow flag when torch.distributed is initialised, so ranks skip together.
+DeepSpeed is refused (its engine runs backward and loss scaling itself). DDP (`torchrun --nproc-per-node N
+script.py`) is tested on gloo: the scaler all-reduces its overflow flag, so every rank skips together; call
+explain_overflow on every rank (no collective: each replays its own batch): the rank whose batch overflowed logs
+where, the others log that theirs stayed finite. FSDP is not tested with this recipe.
 """
 from __future__ import annotations
 
@@ -183,10 +185,22 @@ def locate_and_record(model: nn.Module, replay: Callable[[], Any], scaler: LossS
                       logger: logging.Logger):
     """locate_overflow(model, replay); the report is logged here and recorded on the scaler."""
     report = scaler.record_overflow(locate_overflow(model, replay))   # None is recorded too: no stale report
+    rank = _this_rank()
     if report is None:
-        logger.warning("amp_compiler: fp16 step skipped, but its replay stayed finite (the overflow was in "
-                       "another micro-batch of the gradient accumulation window, or depends on state the replay "
-                       "does not restore, e.g. dropout masks)")
+        another_rank = f"another rank's batch (DDP averages the gradients, so every rank skips; the rank whose batch " \
+            f"overflowed logs where), " if rank else ""
+        logger.warning(f"amp_compiler: fp16 step skipped{rank}, but its replay stayed finite (the overflow was in "
+                       f"{another_rank}another micro-batch of the gradient accumulation window, or depends on state "
+                       "the replay does not restore, e.g. dropout masks)")
         return None
-    logger.warning(f"amp_compiler: fp16 step skipped (loss scale {scaler.get_scale():g} after backing off): {report}")
+    logger.warning(f"amp_compiler: fp16 step skipped{rank} (loss scale {scaler.get_scale():g} after backing off): "
+                   f"{report}")
     return report
+
+
+def _this_rank() -> str:
+    """' on rank R of N' under torch.distributed with several processes, '' in one process."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return f" on rank {dist.get_rank()} of {dist.get_world_size()}"
+    return ""

@@ -40,3 +40,38 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# -- launched as users launch: torchrun ---------------------------------------------------------------------
+
+def run_with_torchrun(script, *args: str, timeout: float = 240.0) -> list[dict]:
+    """Launch `script` as users do, `torchrun --nproc-per-node WORLD_SIZE script RESULTS *args` (python -m
+    torch.distributed.run, gloo on CPU, one intra-op thread per rank), and return what each rank wrote with
+    write_rank_results(RESULTS, ...), by rank. A rank that fails, or writes nothing, fails the caller with the
+    launch's output."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    with tempfile.TemporaryDirectory() as results:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD_SIZE}",
+                   "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(script), results, *args]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        written = [Path(results) / f"rank{rank}.json" for rank in range(WORLD_SIZE)]
+        if done.returncode != 0 or not all(path.exists() for path in written):
+            raise AssertionError(f"torchrun {Path(script).name} exited {done.returncode}:\n"
+                                 f"{done.stdout[-6000:]}\n{done.stderr[-6000:]}")
+        return [json.loads(path.read_text()) for path in written]
+
+
+def write_rank_results(results_dir: str, results: dict) -> None:
+    """In a launched script: this rank's results (JSON), for run_with_torchrun to return."""
+    import json
+    from pathlib import Path
+    path = Path(results_dir) / f"rank{dist.get_rank()}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(results))
+    path.with_suffix(".tmp").rename(path)   # whole or absent: a rank that died mid-write fails the caller
