@@ -176,10 +176,20 @@ def _sharded_call(forward: CompiledForward, sharded: str, args: tuple, kwargs: d
         raise ValueError(f"amp_compiler: {type(model).__name__}'s submodule {sharded} is sharded with FSDP2 "
                          "(fully_shard) and its weights are low already: convert the fp32 model (Apex's levels: "
                          "amp_compiler.initialize), then shard it")
+    histories = forward.fp8_histories.tensors if forward.fp8_histories is not None else {}
     restore_compiled(model)
     compile_per_block(model, forward.config, forward.options,
                       note=f"compiled per block: its submodule {sharded} is sharded with FSDP2 (fully_shard)")
+    _hand_over_histories(histories, history_stores(model))
     return model.forward(*args, **kwargs)   # this call's hooks (FSDP's root ones) ran already: the forward alone
+
+
+def _hand_over_histories(tensors: dict, stores: list) -> None:
+    """The whole model's fp8 amax histories (loaded before its first sharded call, or recorded before sharding)
+    to the per-block store holding each one's module: else the blocks' graphs would start from empty histories."""
+    for prefix, store in stores:
+        for key in [k for k in tensors if k.startswith(prefix)]:
+            store.tensors.setdefault(key[len(prefix):], tensors[key])
 
 
 def compile_per_block(model: nn.Module, config, options: dict, note: str) -> nn.Module:

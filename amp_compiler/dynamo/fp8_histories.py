@@ -14,7 +14,9 @@ tensors as its Fp8History buffers:
     load_state_dict()  takes  them back (before any capture too: the graphs captured later start from them);
                        a history the model holds that the loaded dict lacks is a missing key (strict raises)
 
-Nothing else changes in the state_dict; a model converted at another level or recipe has no such keys (load a
+A sharded checkpoint keeps them out of state_dict() meanwhile (Fp8HistoryStore.in_state_dict): DCP's get_state_dict
+refuses keys that are no attributes of the model, and each rank's histories are its own (train/sharded_checkpoint.py
+saves them per rank). Nothing else changes in the state_dict; a model converted at another level or recipe has no such keys (load a
 delayed checkpoint there with strict=False). Each graph's Fp8History keeps its own training flag: only
 training-mode graphs record, eval graphs read what training recorded.
 """
@@ -38,6 +40,7 @@ class Fp8HistoryStore:
         self.length = length   # fp8_history: how many calls each history holds
         self.not_mine: tuple = ()   # paths of submodules compiled with their own store (an encoder-decoder's encoder)
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self.in_state_dict = True   # False: state_dict() leaves the histories out (a checkpoint saving them apart)
         self.handles = [model.register_state_dict_post_hook(_Hook(self, "add_to_state_dict")),
                         model.register_load_state_dict_pre_hook(_Hook(self, "take_from_state_dict"))]
 
@@ -66,6 +69,8 @@ class Fp8HistoryStore:
 
     # -- state_dict hooks ------------------------------------------------------------------------------------
     def add_to_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        if not self.in_state_dict:
+            return
         for key, tensors in self.tensors.items():
             for name, tensor in tensors.items():
                 state_dict[f"{prefix}{key}.{name}"] = tensor.detach()
