@@ -8,6 +8,7 @@ A model whose own forward cannot be captured runs as written with its children c
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -21,10 +22,17 @@ from amp_compiler.graph_conversion import collector_paused, compile_graph
 from amp_compiler.passes.painting.calibrate_ranges import check_calibration_data
 
 
-def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None = None,
-            dynamic_shapes=None, calibration_data=None, freeze: bool = False, inplace: bool = False,
-            capture: str | None = None, **overrides) -> fx.GraphModule:
+def convert(model: nn.Module, level: str = "O1", *, dtype: torch.dtype | str | None = None,
+            example_inputs: tuple | None = None, dynamic_shapes=None, calibration_data=None, freeze: bool = False,
+            inplace: bool = False, capture: str | None = None, **overrides) -> fx.GraphModule | nn.Module:
     """Trace `model` and return a GraphModule whose every node runs in the precision the rules pick.
+
+    `dtype`: the low precision, torch.float16 or torch.bfloat16 (or "float16"/"bfloat16"); None means
+    float16, except bfloat16 at level "fp8" and, at level "auto", float16 on CUDA and bfloat16 elsewhere.
+    Returns an fx.GraphModule; with inplace=True the model itself (its class unchanged); a model the
+    front ends cannot capture whole comes back as written with its children converted (an nn.Module).
+    `overrides`: the rule options (force_fp32=, force_low=, allow_ops=, deny_ops=, keep_batchnorm_fp32=,
+    keep_io_types=, loss_scale_manager=, the fp8 options; amp_compiler.make_config lists them all).
 
     The result shares the model's parameters and buffers (an optimizer on model.parameters() trains it)
     and never changes the model. `amp_compiler.explain(gm)` tells why each node got its dtype.
@@ -46,6 +54,8 @@ def convert(model: nn.Module, level: str = "O1", *, example_inputs: tuple | None
                   "request it took)" if capture == "parts" else ""
         raise ValueError(f"capture must be {', '.join(map(repr, CAPTURES))}; got {capture!r}{retired}")
     weight_cache = overrides.pop("weight_cache", None)
+    if dtype is not None:
+        overrides["dtype"] = dtype
     config = make_config(level, **overrides)
     check_calibration_data(calibration_data)   # before any work: a bare tensor would be split into rows
     if capture is not None and not inplace:

@@ -66,7 +66,7 @@ def test_summary_counts_nodes_casts_and_names_the_fp32_island_and_its_rule(tmp_p
     assert report.islands == [{"nodes": ["softmax", "add_input"], "ops": ["softmax", "add"], "module": "",
                                "seed": "softmax", "rule": report.islands[0]["rule"]}]
     assert report.islands[0]["rule"].startswith("deny: exp")
-    assert "fp32 islands: 1, 2 nodes" in lines
+    assert "fp32 islands: 1, 2 nodes (runs of connected nodes kept float32)" in lines
     assert any(line.startswith("  (top level): 2 nodes (softmax, add); softmax: deny: exp") for line in lines)
 
 
@@ -115,7 +115,7 @@ def test_html_has_the_summary_and_one_coloured_row_per_node(two_blocks):
 def test_export_onnx_report_has_islands_and_module_groups(tmp_path):
     report = export_onnx(TwoBlocks().eval(), (torch.randn(2, 8),), tmp_path / "fp16.onnx", progress=False)
     assert [island["nodes"] for island in report.islands] == [["softmax"], ["softmax_1"]]
-    assert "fp32 islands: 2, 2 nodes" in report.summary_lines()
+    assert "fp32 islands: 2, 2 nodes (runs of connected nodes kept float32)" in report.summary_lines()
     assert {"layers.0", "layers.1", "head"} <= set(report.table(by_module=True).splitlines())
 
 

@@ -33,8 +33,8 @@ def test_report_opens_with_a_summary_and_folds_repeated_blocks(gpt_o1):
     assert lines[1].startswith("nodes: ") and "float16" in lines[1] and "casts" in lines[1]
     assert lines[2].startswith("fp32 islands: ")
     assert "layers.[0-3].attention (x4): 3 nodes (mul, masked_fill, softmax); softmax: deny:" in text
-    assert "layers.1 .. layers.3: same decisions as layers.0 (3 blocks of" in text
-    assert "leaf modules kept whole: embedding.{positions,tokens}" in text
+    assert "layers.1 through layers.3: same decisions as layers.0 (3 blocks of" in text
+    assert "leaf modules kept whole (one call each in the graph, not traced into): embedding.{positions,tokens}" in text
     # the unfolded report was 215 lines, one of them 1,386 characters (the leaf-module list)
     assert len(lines) < 100 and max(map(len, lines)) < 200
     assert lines[-1].startswith("totals: ")
@@ -159,3 +159,48 @@ def test_public_names():
 def test_o0_reports_nothing_painted():
     text = str(explain(convert(TwoIslands(), "O0")))
     assert "nodes: none painted" in text and "0 casts" in text and "fp32 islands: none" in text
+
+
+def test_printed_report_lists_the_decisions_and_counts_what_it_leaves_out(gpt_o1):
+    report = explain(gpt_o1)
+    lines = str(report).splitlines()
+    header = next(line for line in lines if " rows: the decisions" in line)
+    shown, total = (int(n) for n in header.split(" rows")[0].split(" of "))
+    decisions = [row for row in report.rows if amp_compiler.insight.report.is_decision(row)]
+    assert total == len(report.rows) == report.totals["rows"] and shown == len(decisions) < total
+    # what the table leaves out is counted, and adds up with what it shows
+    left_out = " ".join(lines[lines.index(next(line for line in lines if line.startswith("not listed: "))):][:-1])
+    counted = [int(word) for word in left_out.replace(",", " ").split() if word.isdigit()]
+    assert shown + sum(counted) == total, left_out
+    kinds = {(row["precision"], row["rule"].split(":")[0]) for row in decisions}
+    assert ("low", "clear") not in kinds and ("low", "infer") not in kinds and ("untouched", "") not in kinds
+    assert {row["precision"] for row in decisions} == {"low", "fp32", "cast"}
+    assert all(row["precision"] == "fp32" for row in report.rows if row not in decisions and
+               row["precision"] == "fp32") is True and all(row in decisions for row in report.rows
+                                                          if row["precision"] == "fp32")
+    # a weight's copy is named by its parameter, and left out of the default table
+    weights = [row for row in report.rows if row["weight"]]
+    assert weights and all(row["precision"] == "cast" and row not in decisions for row in weights)
+    assert "lm_head.weight" in {row["weight"] for row in weights}
+
+
+def test_full_and_filters_list_every_row_they_keep(gpt_o1):
+    everything = str(explain(gpt_o1, full=True))
+    report = explain(gpt_o1)
+    assert f"all {len(report.rows)} rows, by module" in everything and "not listed" not in everything
+    assert len(everything.splitlines()) > len(str(report).splitlines())
+    clear = next(row for row in report.rows if row["rule"].startswith("clear:") and row["precision"] == "low")
+    assert f"  {clear['node']} " in everything and f"  {clear['node']} " not in str(report)
+    low = explain(gpt_o1, only="low")
+    assert f" {clear['node']} " in str(low)   # a filter's rows are all listed
+
+
+def test_in_place_weight_casts_are_named_by_their_parameter():
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    model = convert(model, "O1", dtype=torch.bfloat16, inplace=True)
+    model(torch.randn(3, 4))    # dynamo: the weights are the graph's inputs
+    report = explain(model)
+    named = {row["weight"] for row in report.rows if row["weight"]}
+    # (a bf16 linear on this CPU may read its fp32 weight through oneDNN's packed copy: no cast of it then)
+    assert {"0.bias", "2.bias"} <= named <= {name for name, _ in model.named_parameters()}
+    assert "_parameters_" not in str(report)     # dynamo's placeholder names stay out of the default table

@@ -43,6 +43,18 @@ def computed_dtype(node: fx.Node, low: str) -> str:
     return {"low": low, "fp32": "float32"}.get(amp.get("precision"), "-")
 
 
+def weight_cast_of(node: fx.Node, graph_inputs: dict) -> str | None:
+    """The parameter or buffer a cast makes a copy of ("blocks.0.fc.weight"), None for a cast of an activation.
+    `graph_inputs`: gm.meta["amp"]["graph_inputs"] of a graph that takes its weights as inputs (dynamo's)."""
+    if not is_cast(node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    source = node.args[0]
+    if source.op == "get_attr":
+        return str(source.target)
+    info = graph_inputs.get(source.name, {}) if source.op == "placeholder" else {}
+    return info.get("name") if info.get("kind") in ("parameter", "buffer") else None
+
+
 def module_of(node: fx.Node) -> str:
     """The module path a node belongs to; a weight cast (no module of its own) goes with its reader."""
     module = facts(node).get("module") or ""      # O0 graphs record none
@@ -57,7 +69,7 @@ class Island:
     """Connected fp32 nodes: where a low-precision graph keeps full precision, and why."""
     nodes: list[str]
     ops: list[str]
-    module: str          # the deepest module path all its nodes share, else "first .. last" module
+    module: str          # the deepest module path all its nodes share, else "first through last" module
     seed: str            # the node whose own rule keeps it fp32 (the others follow it)
     rule: str
 
@@ -96,7 +108,7 @@ def _island(nodes: list[fx.Node]) -> Island:
     # infer/clear nodes are fp32 because of a neighbour; the first node with a reason of its own seeded it
     seed = next((i for i, a in enumerate(amp) if a.get("class") not in ("infer", "clear")), 0)
     modules = [module_of(n) for n in nodes]
-    where = common_module(modules) or (modules[0] if modules[0] == modules[-1] else f"{modules[0]} .. {modules[-1]}")
+    where = common_module(modules) or (modules[0] if modules[0] == modules[-1] else f"{modules[0]} through {modules[-1]}")
     return Island([n.name for n in nodes], [a.get("op", "?") for a in amp], where, nodes[seed].name,
                   amp[seed].get("rule", ""))
 

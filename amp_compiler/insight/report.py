@@ -1,17 +1,19 @@
 """explain(gm): what convert() decided and why, read from node.meta (nothing recomputed).
 
     amp-compiler report: level O1 (asked O1), float16, front end fx.symbolic_trace
-    nodes: 98 float16, 45 float32, 40 untouched; 26 casts; 0 unknown ops
-    fp32 islands: 9, 45 nodes
+    nodes: 98 float16, 45 float32, 40 untouched (no float value to decide on: integers, shapes, lookups); ...
+    fp32 islands (connected nodes kept float32): 9, 45 nodes
       layers.[0-3].attention (x4): 3 nodes (mul, masked_fill, softmax); softmax: deny: exp of unbounded ...
-    node, where (a leaf module under its parent), op, dtype, rule, by module:
+    52 of 209 rows: the decisions (ops a rule sets low or fp32, casts of activations, every fp32 node) ...
     layers.0.attention
       linear  query  linear  float16  allow: dense matmul ...
-    layers.1 .. layers.3: same decisions as layers.0 (3 blocks of 62 rows)
+    layers.1 through layers.3: same decisions as layers.0 (3 blocks of 13 rows)
 
-explain(gm, only="fp32", module="encoder.*", op="softmax") filters the rows (the summary stays whole);
-explain(before, after) is diff(before, after). str() for terminals, _repr_html_ for notebooks,
-to_dict()/to_json() for tools.
+str(report) lists the decisions; explain(gm, full=True) every row (the nodes that only follow their
+neighbours, untouched bookkeeping, weight casts). explain(gm, only="fp32", module="encoder.*", op="softmax")
+filters the rows (the summary stays whole) and lists every row it keeps; explain(before, after) is
+diff(before, after). str() for terminals, _repr_html_ for notebooks, to_dict()/to_json() for tools
+(report.rows always holds every row).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.insight.graph_decisions import (computed_dtype, fp32_islands, graph_summary, is_cast, is_shown,
-                                          module_of, precision_of)
+                                                  module_of, precision_of, weight_cast_of)
 from amp_compiler.frontend.hooks import hook_lines
 from amp_compiler.converted import ConvertedGraph, compiled_record, converted_graphs, is_converted
 from amp_compiler.frontend.training_reads import training_lines
@@ -35,6 +37,10 @@ from amp_compiler.passes.node_facts import facts
 
 PRECISIONS = ("low", "fp32", "cast", "untouched")
 TABLE_COLUMNS = ["node", "where", "op", "dtype", "rule"]
+FOLLOWING_RULES = ("clear:", "infer:")   # a low node that takes its neighbours' precision decided nothing itself
+UNTOUCHED = "untouched (no float value to decide on: integers, shapes, lookups)"
+ISLAND_MEANING = "runs of connected nodes kept float32"
+LEAVES = "leaf modules kept whole (one call each in the graph, not traced into)"
 
 
 @dataclass
@@ -45,6 +51,7 @@ class PrecisionReport:
     islands: list[dict] = field(default_factory=list)
     filters: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)   # values the low dtype cannot hold (constant_range)
+    full: bool = False           # str() lists every row, not only the decisions
 
     def __str__(self) -> str:
         return "\n".join(self.summary_lines() + self.table_lines())
@@ -55,7 +62,7 @@ class PrecisionReport:
         lines = [f"amp-compiler report: level {s.get('level')} (asked {s.get('requested_level')}), "
                  f"{s.get('dtype')}, front end {s.get('frontend')}{_devices(s)}"]
         lines += nothing_converted_lines(s, t)
-        lines.append(f"nodes: {self.counts()}")
+        lines.append(f"nodes: {self.counts(UNTOUCHED)}")
         for warning in self.warnings:
             lines += wrapped("WARNING", [warning])
         lines += calibration_lines(s.get("pass_counts", {}).get("calibrate_ranges"), t.get("range_kept", []))
@@ -70,19 +77,29 @@ class PrecisionReport:
                 lines += wrapped("note", [note])
         return lines
 
-    def counts(self) -> str:
+    def counts(self, untouched: str = "untouched") -> str:
         t = self.totals
         per_dtype = ", ".join(f"{n} {dtype}" for dtype, n in sorted(t["nodes_per_dtype"].items()))
         unknown = t["unknown_ops"]
-        return (f"{per_dtype or 'none painted'}, {t['untouched']} untouched; {t['casts']} casts; "
+        return (f"{per_dtype or 'none painted'}, {t['untouched']} {untouched}; {t['casts']} casts; "
                 f"{len(unknown)} unknown ops{': ' + ', '.join(unknown) if unknown else ''}")
 
     def table_lines(self) -> list[str]:
-        shown = f"{len(self.rows)} of {self.totals['rows']} rows ({_describe(self.filters)})" \
-            if self.filters else f"{len(self.rows)} rows"
-        header = f"{shown}, by module: node, where (leaf module), op, dtype, rule"
-        table = module_table(self.rows, TABLE_COLUMNS, self.summary.get("leaf_modules", ()))
-        return [header, *table, f"totals: {self.counts()}"]
+        """The rows by module: every row with full=True or a filter, else the decisions and a line saying what
+        is left out. "where" names the leaf module a row belongs to, under its parent's heading."""
+        columns = "node, where (leaf module), op, dtype, rule"
+        if self.full or self.filters:
+            rows, hidden = self.rows, []
+            shown = f"{len(rows)} of {self.totals['rows']} rows ({_describe(self.filters)})" if self.filters \
+                else f"all {len(rows)} rows"
+            header = [f"{shown}, by module: {columns}"]
+        else:
+            rows = [row for row in self.rows if is_decision(row)]
+            hidden = hidden_counts([row for row in self.rows if not is_decision(row)])
+            header = [f"{len(rows)} of {len(self.rows)} rows: the decisions (ops a rule sets low or fp32, casts of "
+                      "activations, every fp32 node; explain(model, full=True) lists all), by module: " + columns]
+        table = module_table(rows, TABLE_COLUMNS, self.summary.get("leaf_modules", ()))
+        return [*header, *table, *hidden, f"totals: {self.counts()}"]
 
     def to_dict(self) -> dict:
         return json.loads(self.to_json())
@@ -98,11 +115,15 @@ class PrecisionReport:
 
 
 def explain(gm, other=None, *, only: str | None = None, module: str | None = None,
-            op: str | None = None) -> PrecisionReport:
-    """The decisions of a converted module: summary, fp32 islands, then every node grouped by module.
+            op: str | None = None, full: bool = False) -> PrecisionReport:
+    """The decisions of a converted module: summary, fp32 islands, then its nodes grouped by module.
 
+    Printed, the report lists the decisions: ops a rule sets low or fp32, casts of activations, every fp32
+    node. full=True lists every node (those that only follow their neighbours, untouched bookkeeping such as
+    size and getitem, weight casts); report.rows always holds them all.
     only: "low", "fp32", "cast", "untouched" or a dtype name ("float16"); module, op: glob patterns
-    ("encoder.*" also matches "encoder" itself). With a second module, diff(gm, other)."""
+    ("encoder.*" also matches "encoder" itself); a filter lists every row it keeps. With a second module,
+    diff(gm, other)."""
     if other is not None:
         return diff(gm, other)
     wrapper, gm = gm, converted_model_in(gm)
@@ -110,6 +131,7 @@ def explain(gm, other=None, *, only: str | None = None, module: str | None = Non
         report = record.explain(gm)
     else:
         report = _explain_graphs(gm, graph_summary(gm), converted_graphs(gm))
+    report.full = full
     if wrapper is not gm:
         report.warnings += adapters_not_run(gm)
     filters = {k: v for k, v in (("only", only), ("module", module), ("op", op)) if v is not None}
@@ -151,8 +173,26 @@ def diff(before, after) -> PrecisionDiff:
     return diff_reports(explain(before), explain(after))
 
 
+def is_decision(row: dict) -> bool:
+    """A row the printed report lists by default: not untouched, not a weight's copy, not a low node that only
+    follows its neighbours."""
+    if row["precision"] == "untouched" or row.get("weight"):
+        return False
+    return not (row["precision"] == "low" and row["rule"].startswith(FOLLOWING_RULES))
+
+
+def hidden_counts(rows: list[dict]) -> list[str]:
+    """What the default table leaves out, counted: "not listed: 56 nodes that follow ..."."""
+    kinds = Counter("weight" if row.get("weight") else row["precision"] for row in rows)
+    parts = [f"{plural(kinds['low'], 'node')} that take their neighbours' precision (rules clear: and infer:)",
+             f"{kinds['untouched']} {UNTOUCHED}", f"{plural(kinds['weight'], 'weight cast')} (a low copy of a parameter "
+             "for the op that reads it)"]
+    return wrapped("not listed", [part for part in parts if not part.startswith("0 ")]) if rows else []
+
+
 def _explain_graph(gm: fx.GraphModule, summary: dict) -> PrecisionReport:
     low = summary["dtype"]
+    graph_inputs = summary.get("graph_inputs", {})
     rows = []
     for node in gm.graph.nodes:
         if not is_shown(node):
@@ -160,7 +200,8 @@ def _explain_graph(gm: fx.GraphModule, summary: dict) -> PrecisionReport:
         amp = facts(node)
         rows.append({"node": node.name, "module": module_of(node), "op": amp.get("op", "?"),
                      "class": amp.get("class", "-"), "family": amp.get("family", "-"), "precision": precision_of(node),
-                     "dtype": computed_dtype(node, low), "rule": amp.get("rule", "")})
+                     "dtype": computed_dtype(node, low), "rule": amp.get("rule", ""),
+                     "weight": weight_cast_of(node, graph_inputs)})
     islands = [island.to_dict() for island in fp32_islands(gm)]
     casts = sum(1 for node in gm.graph.nodes if is_cast(node))
     warnings = [facts(node)["warning"] for node in gm.graph.nodes if "warning" in facts(node)]
@@ -219,9 +260,9 @@ def nothing_converted_lines(summary: dict, totals: dict) -> list[str]:
 
 def _leaf_lines(leaves: list[str]) -> list[str]:
     """The leaf modules, listed when that takes three lines or less, else with numbered repeats folded."""
-    lines = wrapped("leaf modules kept whole", leaves)
+    lines = wrapped(LEAVES, leaves)
     if len(lines) > 3:
-        lines = wrapped("leaf modules kept whole", summarise_paths(leaves))
+        lines = wrapped(LEAVES, summarise_paths(leaves))
         lines[-1] += f" ({len(leaves)} modules)"
     return lines
 
@@ -251,7 +292,7 @@ def island_lines(islands: list[dict]) -> list[str]:
     for island in islands:
         kinds.setdefault((_strip_numbers(island["module"]), tuple(island["ops"]), _strip_numbers(island["rule"])),
                          []).append(island)
-    lines = [f"fp32 islands: {len(islands)}, {sum(len(i['nodes']) for i in islands)} nodes"]
+    lines = [f"fp32 islands: {len(islands)}, {sum(len(i['nodes']) for i in islands)} nodes ({ISLAND_MEANING})"]
     for members in kinds.values():
         first = members[0]
         where = summarise_paths([i["module"] for i in members])

@@ -3,7 +3,7 @@ long lists of module paths summarised.
 
     layers.0.attention
       linear     query  linear   float16  allow: dense matmul ...
-    layers.1 .. layers.11: same decisions as layers.0 (11 blocks of 62 rows)
+    layers.1 through layers.11: same decisions as layers.0 (11 blocks of 62 rows)
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def module_table(rows: list[dict], columns: list[str], leaf_modules=(), fold: bo
     def flush_run():
         if run:
             reference, first, rows_each = run[0]
-            span = first if len(run) == 1 else f"{first} .. {run[-1][1]}"
+            span = first if len(run) == 1 else f"{first} through {run[-1][1]}"
             count = "" if len(run) == 1 else f"{len(run)} blocks of "
             lines.append(f"{span}: same decisions as {reference} ({count}{rows_each} rows)")
             run.clear()

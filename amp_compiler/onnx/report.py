@@ -132,7 +132,7 @@ def _island(rows: list[dict]) -> dict:
     seed = next((r for r in rows if r.get("class") not in ("infer", "clear")), rows[0])
     # top-level nodes (no module: the graph's own adds, a residual stream) do not make the island's place
     modules = [r["module"] for r in rows if r.get("module")] or [""]
-    where = common_module(modules) or (modules[0] if modules[0] == modules[-1] else f"{modules[0]} .. {modules[-1]}")
+    where = common_module(modules) or (modules[0] if modules[0] == modules[-1] else f"{modules[0]} through {modules[-1]}")
     return {"nodes": [r["node"] for r in rows], "ops": [r["op"] for r in rows], "module": where,
             "seed": seed["node"], "rule": seed["rule"]}
 
