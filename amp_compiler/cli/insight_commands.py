@@ -9,21 +9,20 @@ MODULE:FACTORY names a function to call (with --kwarg NAME=VALUE keywords): MODU
 from the current directory (`mymodels`, `pkg.models`) or a file path (`path/to/mymodels.py`). The
 factory returns the fp32 model and its example inputs: a pair `(model, example_inputs)`, where
 example_inputs is a tuple of positional inputs (or one tensor), or an object with `.model` and
-`.example_inputs` (the repository's zoo: `models:build --kwarg name=gpt`); a third element (or a
-`.calibration_data` attribute), a list of input tuples, is what `--calibrate` runs the ranges on. A handler returns the exit
-code: 0 ok, 1 when compare finds the outputs past tolerance, 2 for a usage error (printed as one line).
+`.example_inputs` (the zoo: `amp_compiler.models:build --kwarg name=gpt`), or a bare nn.Module (then
+--input-shape gives its fp32 example inputs); a third element (or a `.calibration_data` attribute), a list of
+input tuples, is what `--calibrate` runs the ranges on. A handler returns the exit code: 0 ok, 1 when compare
+finds the outputs past tolerance; an error it raises is main()'s one line (2 for a usage error).
+Nothing here imports torch at its top: the parsers are built before torch loads.
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-import torch
-from torch import nn
-
-from amp_compiler.cli.arguments import (LEVEL_CHOICES_HELP, add_fp8_options, calibration_samples, convert_dtype,
-                                        fp8_overrides, load_factory)
-from amp_compiler.insight.compare import FP8_RTOL
+from amp_compiler.cli.arguments import (FP8_RTOL_HELP, LEVEL_CHOICES_HELP, ZOO_FACTORY, add_factory_inputs,
+                                        add_fp8_options, calibration_samples, convert_dtype, dtype_argument,
+                                        fp8_overrides, level_argument, load_factory)
 
 
 def add_insight_parsers(subparsers) -> None:
@@ -44,7 +43,7 @@ def add_insight_parsers(subparsers) -> None:
                                                 "past tolerance. Exit code 1 when the outputs are past it.")
     _add_model(compare)
     compare.add_argument("--rtol", type=float, help=f"tolerance relative to each value's scale (default 0.01 for "
-                                                    f"float16, 0.05 for bfloat16, {FP8_RTOL:g} where float8 matmuls run)")
+                                                    f"float16, 0.05 for bfloat16, {FP8_RTOL_HELP} where float8 matmuls run)")
     compare.set_defaults(func=run_compare)
 
     render = subparsers.add_parser("render", help="draw a converted model or an ONNX file as one HTML/SVG file",
@@ -67,11 +66,11 @@ def add_insight_parsers(subparsers) -> None:
 def _add_model(parser: argparse.ArgumentParser, with_source: bool = True) -> None:
     if with_source:
         parser.add_argument("factory", metavar="MODULE:FACTORY",
-                            help="e.g. mymodels:make, path/to/mymodels.py:make or models:build --kwarg name=gpt")
-    parser.add_argument("--kwarg", action="append", default=[], metavar="NAME=VALUE",
-                        help="keyword argument for the factory; VALUE is a Python literal or else a string")
-    parser.add_argument("--level", default="O1", help=LEVEL_CHOICES_HELP)
-    parser.add_argument("--dtype", help="float16/fp16 (default) or bfloat16/bf16 (at --level fp8: bfloat16)")
+                            help=f"e.g. mymodels:make, path/to/mymodels.py:make or {ZOO_FACTORY} --kwarg name=gpt")
+    add_factory_inputs(parser)
+    parser.add_argument("--level", default="O1", type=level_argument, help=LEVEL_CHOICES_HELP)
+    parser.add_argument("--dtype", type=dtype_argument,
+                        help="float16/fp16 (default) or bfloat16/bf16 (at --level fp8: bfloat16)")
     parser.add_argument("--calibrate", action="store_true",
                         help="range calibration on the factory's calibration_data (else its example inputs)")
     add_fp8_options(parser)
@@ -116,10 +115,11 @@ def run_render(args) -> int:
     return 0
 
 
-def _converted(args) -> tuple[nn.Module, tuple, torch.fx.GraphModule]:
+def _converted(args) -> tuple:
+    """(the factory's model, its example inputs, the converted GraphModule)."""
     import amp_compiler
 
-    model, inputs, calibration = load_factory(args.factory, args.kwarg)
+    model, inputs, calibration = load_factory(args.factory, args.kwarg, args.input_shape)
     overrides = {**convert_dtype(args), **fp8_overrides(args)}
     return model, inputs, amp_compiler.convert(model, args.level, example_inputs=inputs, **overrides,
                                                calibration_data=calibration_samples(args, inputs, calibration))

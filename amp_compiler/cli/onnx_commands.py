@@ -1,35 +1,32 @@
 """The `export` and `convert-onnx` subcommands, for amp_compiler/cli/__init__.py to mount on its parser.
 
-    amp-compiler export models:build out.onnx --kwarg name=bert --level O1 [--validate [--rtol 0.01]]
-    amp-compiler export models:build out.onnx --kwarg name=gpt --level fp8 --fp8-min-dim 16 [--calibrate]
+    amp-compiler export amp_compiler.models:build out.onnx --kwarg name=bert --level O1 [--validate [--rtol 0.01]]
+    amp-compiler export amp_compiler.models:build out.onnx --kwarg name=gpt --level fp8 --fp8-min-dim 16 [--calibrate]
     amp-compiler convert-onnx model.onnx model_fp16.onnx --level O1 [--op-block-list Softmax ...]
 
 MODULE:FACTORY names a callable; it returns an object with .model and .example_inputs (a models.ZooTask),
 a (model, example_inputs) pair, or a bare nn.Module (then --input-shape gives fp32 example inputs).
-Each parser sets func=handler; a handler takes the parsed args and returns the exit code (0 ok, 2 for
-a usage error such as a bad file, level or factory, printed as one line on stderr).
+Each parser sets func=handler; a handler takes the parsed args and returns the exit code (0 ok, 1 when
+--validate finds the file past tolerance, 2 for a usage error such as a bad file or factory, printed as one
+line on stderr by arguments.report_error). A bad --level or --dtype is refused while parsing.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 
-
-from amp_compiler.cli.arguments import (LEVEL_CHOICES_HELP, add_fp8_options, calibration_samples, cli_words,
-                                        fp8_overrides, load_factory)
-from amp_compiler.insight.compare import FP8_RTOL
+from amp_compiler.cli.arguments import (FP8_RTOL_HELP, LEVEL_CHOICES_HELP, ZOO_FACTORY, add_factory_inputs,
+                                        add_fp8_options, calibration_samples, dtype_argument, fp8_overrides,
+                                        level_argument, load_factory, report_error)
 
 
 def add_export_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "export", help="convert a PyTorch model and export it as mixed-precision ONNX",
         description="Convert MODULE:FACTORY's model with the amp rules and export it with torch.onnx (dynamo).")
-    parser.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. models:build (with --kwarg name=bert)")
+    parser.add_argument("factory", metavar="MODULE:FACTORY",
+                        help=f"e.g. mymodels:make, path/to/mymodels.py:make or {ZOO_FACTORY} --kwarg name=bert")
     parser.add_argument("output", metavar="OUT.onnx")
-    parser.add_argument("--kwarg", action="append", default=[], metavar="NAME=VALUE",
-                        help="keyword argument for the factory; VALUE is a Python literal or else a string")
-    parser.add_argument("--input-shape", action="append", default=[], metavar="D0,D1,...",
-                        help="shape of one fp32 example input, when the factory returns a bare module")
+    add_factory_inputs(parser)
     parser.add_argument("--calibrate", action="store_true",
                         help="calibrate on the factory's calibration_data (else its example inputs): ranges, and at "
                              "--level fp8 static activation scales")
@@ -38,7 +35,7 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--validate", action="store_true",
                         help="compare the ONNX model with the PyTorch model on the example inputs")
     parser.add_argument("--rtol", type=float,
-                        help=f"--validate's tolerance relative to each value's scale (default 0.01, {FP8_RTOL:g} for a "
+                        help=f"--validate's tolerance relative to each value's scale (default 0.01, {FP8_RTOL_HELP} for a "
                              f"file with float8 matmuls)")
     parser.add_argument("--atol", type=float, default=1e-2, help="--validate's absolute tolerance on top (default 0.01)")
     parser.set_defaults(func=run_export)
@@ -63,8 +60,8 @@ def add_convert_onnx_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--level", default="O1", help=LEVEL_CHOICES_HELP)
-    parser.add_argument("--dtype", default="float16", help="float16 (default) or bfloat16")
+    parser.add_argument("--level", default="O1", type=level_argument, help=LEVEL_CHOICES_HELP)
+    parser.add_argument("--dtype", default="float16", type=dtype_argument, help="float16/fp16 (default) or bfloat16/bf16")
     parser.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
                         help="let inputs and outputs take the low dtype (default: they keep theirs)")
     parser.add_argument("--force-fp32", nargs="+", default=(), metavar="PATTERN",
@@ -86,7 +83,7 @@ def run_export(args) -> int:
             print(validation)
             return 0 if validation.passed else 1
     except (ValueError, TypeError, FileNotFoundError, UnwritableDestinationError) as error:
-        return _usage_error("export", error)
+        return report_error("export", error, args)
     return 0
 
 
@@ -98,7 +95,7 @@ def run_convert_onnx(args) -> int:
                               keep_io_types=args.keep_io_types, op_block_list=args.op_block_list,
                               node_block_list=args.node_block_list, **_force(args), **fp8_overrides(args))
     except (ValueError, TypeError, FileNotFoundError, UnwritableDestinationError) as error:
-        return _usage_error("convert-onnx", error)
+        return report_error("convert-onnx", error, args)
     print(report)
     if args.table:
         print(report.table())
@@ -108,7 +105,3 @@ def run_convert_onnx(args) -> int:
 def _force(args) -> dict:
     return {"force_fp32": list(args.force_fp32)} if args.force_fp32 else {}
 
-
-def _usage_error(command: str, error: Exception) -> int:
-    print(f"amp-compiler {command}: error: {cli_words(str(error))}", file=sys.stderr)
-    return 2
