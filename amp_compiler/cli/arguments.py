@@ -260,17 +260,20 @@ def _user_code_error(what: str, error: BaseException, fix: str | None = None) ->
 
 def user_frame(error: BaseException):
     """The deepest traceback frame in one of the user's files (USER_FILES), through causes; or None."""
-    found = None
+    return user_failure(error)[0]
+
+
+def user_failure(error: BaseException) -> tuple:
+    """(the deepest frame in one of USER_FILES, the exception whose traceback holds it), through the
+    exception's causes; (None, None) where the user's code is not in it."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        for frame in traceback.extract_tb(error.__traceback__):
-            if os.path.realpath(frame.filename) in USER_FILES:
-                found = frame
-        if found is not None:
-            return found
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.realpath(f.filename) in USER_FILES]
+        if frames:
+            return frames[-1], error
         error = error.__cause__ or error.__context__
-    return None
+    return None, None
 
 
 def first_line(error: BaseException) -> str:
@@ -324,7 +327,7 @@ def report_error(command: str, error: Exception, args=None) -> int:
     """Print `error` as the command's one line on stderr; returns the exit code: 2 for a usage error or the
     user's code failing (ValueError, TypeError, a missing file), 3 for anything else."""
     print(f"amp-compiler {command}: error: {error_line(error, args)}", file=sys.stderr)
-    return 2 if isinstance(error, (ValueError, TypeError, OSError)) else 3
+    return 2 if isinstance(error, (ValueError, TypeError, OSError)) or user_frame(error) is not None else 3
 
 
 def error_line(error: Exception, args=None) -> str:
@@ -336,9 +339,10 @@ def error_line(error: Exception, args=None) -> str:
         return cli_words(message)
     if not isinstance(error, (ValueError, TypeError, OSError)):
         message = f"{type(error).__name__}: {message}"
-    frame = user_frame(error)
+    frame, raised = user_failure(error)
     if frame is not None:
-        message += f" ({frame.filename}, line {frame.lineno}, in {frame.name})"
+        cause = f": {type(raised).__name__}: {' '.join(first_line(raised).split())}" if raised is not error else ""
+        message += f" ({frame.filename}, line {frame.lineno}, in {frame.name}{cause})"
     shapes = getattr(args, "input_shape", None)
     if shapes and "do not fit the model" in message:
         message += "; the example inputs came from " + " ".join(f"--input-shape {s}" for s in shapes) + \

@@ -80,7 +80,7 @@ def run_explain(args) -> int:
     import amp_compiler
 
     model, inputs, gm = _converted(args)
-    report = amp_compiler.explain(gm, only=args.only, module=args.module, op=args.op)
+    report = amp_compiler.explain(gm, only=args.only, module=args.module, op=args.op, full=args.table)
     filtered = any(v is not None for v in (args.only, args.module, args.op))
     print("\n".join(report.summary_lines()))
     if args.table or filtered:
