@@ -42,7 +42,7 @@ def test_the_installed_command_runs_the_demo_from_any_folder(tmp_path):
     source, site, work = tmp_path / "source", tmp_path / "site", tmp_path / "work"
     for folder in ("amp_compiler", "passes", "models"):
         shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
         shutil.copy(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--no-build-isolation",
                     "--target", str(site), str(source)], check=True, capture_output=True, timeout=300)
