@@ -54,13 +54,14 @@ def test_one_ranks_overflow_skips_the_step_on_every_rank_and_that_rank_says_wher
     assert first["report_module"] is None and "another rank" in first["messages"][0]
 
 
-@pytest.mark.xfail(strict=True, reason="transformers: a forward taking **kwargs gets model_accepts_loss_kwargs=True; "
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="transformers: a forward taking **kwargs gets model_accepts_loss_kwargs=True; "
                    "with average_tokens_across_devices (default) the loss is multiplied by the world size and not "
                    "divided for accumulation; a model that ignores num_items_in_batch steps 4x (2 ranks x 2 "
                    "micro-batches, measured 4.00x, same direction). AmpTrainer does what the plain Trainer does; "
                    "the remedy, accepts_loss_kwargs = False on the model, is checked above")
 def test_a_forward_taking_kwargs_that_ignores_num_items_in_batch_trains_to_one_process(ranks):
     first, second = (rank[KWARGS] for rank in ranks)
-    assert first["accepts_loss_kwargs"] is True and first["params"] == second["params"]
+    if not (first["accepts_loss_kwargs"] is True and first["params"] == second["params"]):   # not the known issue
+        pytest.fail(f"accepts_loss_kwargs {first['accepts_loss_kwargs']}, or the ranks' parameters differ")
     moved, off = off_one_process(first, "after_first_step", "reference_after_first_step")
     assert moved > 0.1 and off <= 0.02 * moved, f"{off:.3g} off one process's first step, moved {moved:.3g}"
