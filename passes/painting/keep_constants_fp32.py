@@ -37,16 +37,19 @@ def keep_constant_paths_fp32(sources: dict[str, tuple[str, list[str]]], carriers
     def hook(view: nx.DiGraph) -> None:
         for source, (constant, readers) in sources.items():
             starts = [source] if source in view else [r for r in readers if r in view]
-            for start in starts:
-                keep_fp32(view, start, beyond_rule(view.nodes[start]["op_class"], constant, low_dtype))
-            seen, stack = set(starts), [s for s in starts if s in carriers]
+            # keep_fp32 is False on a node the user forced low: its output no longer holds the constant, so
+            # the walk stops there, as keep_phases_fp32's does
+            walked = [s for s in starts
+                      if keep_fp32(view, s, beyond_rule(view.nodes[s]["op_class"], constant, low_dtype))]
+            seen, stack = set(starts), [s for s in walked if s in carriers]
             while stack:
                 for reader in view.successors(stack.pop()):
                     if reader in seen:
                         continue
                     seen.add(reader)
                     attrs = view.nodes[reader]
-                    keep_fp32(view, reader, beyond_rule(attrs["op_class"], f"{source}'s value ({constant})", low_dtype))
-                    if reader in carriers:
+                    kept = keep_fp32(view, reader, beyond_rule(attrs["op_class"], f"{source}'s value ({constant})",
+                                                               low_dtype))
+                    if kept and reader in carriers:
                         stack.append(reader)
     return hook

@@ -77,6 +77,22 @@ def test_a_reader_the_user_forced_low_stays_low():
     assert view.nodes["add"]["precision"] == "fp32"
 
 
+def test_a_carrier_the_user_forced_low_stops_the_walk():
+    # add is forced low: its output is low, the constant is already lost there, so softmax stays as painted
+    forced = {"add": ("low", "user rule: force_low 'add'")}
+    view = painted_view(ATTENTION, ATTENTION_EDGES, forced)
+    keep_constant_paths_fp32({"masked_fill": (BF16_MIN, ["add"])}, CARRIERS, "bfloat16")(view)
+    precision = dict(view.nodes(data="precision"))
+    assert precision == {"scores": "low", "masked_fill": "fp32", "add": "low", "softmax": "low", "matmul": "low"}
+
+
+def test_a_source_the_user_forced_low_starts_no_walk():
+    forced = {"masked_fill": ("low", "user rule: force_low 'masked_fill'")}
+    view = painted_view(ATTENTION, ATTENTION_EDGES, forced)
+    keep_constant_paths_fp32({"masked_fill": (BF16_MIN, ["add"])}, CARRIERS, "bfloat16")(view)
+    assert {p for _, p in view.nodes(data="precision")} == {"low"}
+
+
 def test_without_sources_the_view_is_left_as_painted():
     view = painted_view(ATTENTION, ATTENTION_EDGES)
     before = snapshot(view)
