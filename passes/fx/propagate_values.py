@@ -12,6 +12,9 @@ input and the node (example_inputs_error); if it runs, fake tensors were the lim
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
@@ -58,7 +61,7 @@ class _RealRun(fx.Interpreter):
     """Runs the graph on real inputs; on failure, says which node failed with the values it read."""
 
     def __init__(self, gm: fx.GraphModule):
-        super().__init__(gm)
+        super().__init__(gm, garbage_collect_values=False)   # the error below describes every input it read
         self.extra_traceback = False   # the error below names the node itself
 
     def run_node(self, node: fx.Node):
@@ -92,12 +95,25 @@ def propagate_values(gm: fx.GraphModule, example_inputs: tuple) -> PassResult:
     # otherwise count a step on the user's real buffer each time a model is converted.
     state = {name: fake(t) for name, t in (*runner.named_parameters(remove_duplicate=False),
                                            *runner.named_buffers(remove_duplicate=False))}
-    with mode, torch.no_grad():
+    with mode, torch.no_grad(), _fake_tensor_log_quieted():
         torch.func.functional_call(runner, state, fake_inputs, tie_weights=False)
     if runner.run.failed is not None or _integer_read_by_float_op(gm):
         _run_on_real_inputs(gm, example_inputs)   # raises when the example inputs are what fails
     known = sum("val" in n.meta for n in gm.graph.nodes)
     return PassResult(modified=False, counts={"values_propagated": known})
+
+
+@contextlib.contextmanager
+def _fake_tensor_log_quieted():
+    """torch logs each failed fake kernel with its traceback; here every failure is handled (retried on the real
+    inputs, or the error below names the input and the node), so that log would only bury the one clear line."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _run_on_real_inputs(gm: fx.GraphModule, example_inputs: tuple) -> None:

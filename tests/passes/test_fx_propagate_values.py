@@ -1,6 +1,8 @@
 """fx/propagate_values.py: a fake value per node from fake example inputs; nodes that need real data (and
 their readers) get none without an error; example inputs that do not fit the model are a ValueError naming
 the input and the node; the user's buffers are not touched."""
+import logging
+
 import pytest
 import torch
 import torch.fx as fx
@@ -55,6 +57,40 @@ def test_inputs_of_the_wrong_width_are_an_error_naming_the_node():
     with pytest.raises(ValueError, match=r"example_inputs \(x: float32\[3, 5\], scale: float32\[\]\) do not fit "
                                          r"the model: linear \(node fc, module 'fc'\) fails on them"):
         propagate_values(traced(Net()), (torch.randn(3, 5), torch.tensor(2.0)))
+
+
+class UsesItsInputEarly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        return self.fc(x.relu()) + y   # x's last reader is relu: the interpreter frees it before fc runs
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_the_error_describes_an_input_whose_last_reader_ran_before_the_failing_node():
+    fake_tensor_log, records = logging.getLogger("torch._subclasses.fake_tensor"), _Records()
+    level = fake_tensor_log.level
+    fake_tensor_log.setLevel(logging.NOTSET)   # as a fresh process has it (the CLI's tests raise it)
+    fake_tensor_log.addHandler(records)   # torch's own handler holds the stderr of import time: watch the logger
+    try:
+        with pytest.raises(ValueError, match=r"example_inputs \(x: float32\[3, 5\], y: float32\[3, 4\]\) do not fit"):
+            propagate_values(traced(UsesItsInputEarly()), (torch.randn(3, 5), torch.randn(3, 4)))
+    finally:
+        fake_tensor_log.removeHandler(records)
+        after, _ = fake_tensor_log.level, fake_tensor_log.setLevel(level)
+    # torch's log of the failed fake kernel (a traceback) is not printed above the one clear error
+    assert not [r for r in records.records if r.levelno >= logging.WARNING]
+    assert after == logging.NOTSET   # and the logger is left as it was
 
 
 def test_an_integer_input_into_a_linear_says_to_give_floats():
