@@ -236,6 +236,20 @@ def test_convert_onnx_with_calibration_writes_a_static_scale(tmp_path):
     assert relative(run_onnx(tmp_path / "fp8.onnx", x), model(x).detach().numpy()) < FP8_ERROR
 
 
+def test_a_calibrated_fp8_matmuls_rule_names_the_onnx_form_with_its_measured_error(tmp_path):
+    """The report's rule is the file's (Q/DQ, float16 out), not convert()'s _scaled_mm, with calibration too."""
+    model, x = model_and_input()
+    samples = [(torch.randn(2, 8, 32),) for _ in range(4)]
+    report = amp_compiler.export_onnx(model, (x,), tmp_path / "fp8.onnx", "fp8", fp8_min_dim=16,
+                                      calibration_data=samples)
+    fp8_rules = [r["rule"] for r in report.rows if r["op"] == "linear" and r["rule"].startswith("fp8 (")]
+    assert len(fp8_rules) == 2
+    for rule in fp8_rules:
+        assert rule.startswith("fp8 (e4m3 QuantizeLinear/DequantizeLinear around the matmul, weight stored "
+                               "FLOAT8E4M3FN, out float16")
+        assert "_scaled_mm" not in rule and "calibrated e4m3 error x " in rule and "(per tensor, 4 samples)" in rule
+
+
 @pytest.mark.parametrize("how", ["export_onnx", "convert_onnx"])
 def test_an_activation_calibrated_all_zero_gets_a_computed_scale(tmp_path, how):
     """Samples on which x is 0 everywhere measure amax 0: no range. A static scale from it (the smallest) made

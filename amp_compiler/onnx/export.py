@@ -131,8 +131,9 @@ def export_rows(gm: fx.GraphModule, config: AmpConfig | None = None) -> list[dic
     level an fp8 matmul's rule names the ONNX form (Q/DQ, float8 weights) where explain() names _scaled_mm."""
     explained = explain(gm)
     island_of = {node: i for i, island in enumerate(explained.islands) for node in island["nodes"]}
-    torch_recipe = f"fp8 ({config.fp8.recipe()})" if config is not None and config.fp8 is not None else None
-    onnx_form = f"fp8 ({onnx_recipe(config.fp8, ir_low_dtype(config.low_dtype_name))})" if torch_recipe else None
+    # no closing parenthesis: a calibrated matmul's rule goes on with its measured error inside it
+    torch_recipe = f"fp8 ({config.fp8.recipe()}" if config is not None and config.fp8 is not None else None
+    onnx_form = f"fp8 ({onnx_recipe(config.fp8, ir_low_dtype(config.low_dtype_name))}" if torch_recipe else None
     return [{"node": r["node"], "op_type": "(fx)", "op": r["op"], "precision": r["dtype"],
              "rule": r["rule"].replace(torch_recipe, onnx_form, 1) if torch_recipe and r["rule"] else r["rule"],
              "module": r["module"], "class": r["class"], "island": island_of.get(r["node"], -1)}
