@@ -16,7 +16,7 @@ from torch import nn
 from amp_compiler.passes.runner import PassResult
 from amp_compiler.passes.node_facts import facts
 from amp_compiler.passes.policy.numerics import IN_PLACE_OPERATORS
-from amp_compiler.passes.policy.op_aliases import ALIASES   # spellings of one op (IR-neutral)
+from amp_compiler.passes.policy.op_aliases import canonical_op_name   # IR-neutral: the ONNX passes name ops by it too
 
 # Leaf module classes, most specific first (isinstance order matters for subclasses).
 MODULE_OPS: tuple[tuple[type, str], ...] = (
@@ -33,18 +33,6 @@ MODULE_OPS: tuple[tuple[type, str], ...] = (
     (nn.modules.dropout._DropoutNd, "dropout"), (nn.PReLU, "prelu"), (nn.Identity, "identity"),
 )
 LEAF_MODULE_TYPES = tuple(cls for cls, _ in MODULE_OPS)
-
-
-def _strip(name: str) -> str:
-    if name.startswith("__") and name.endswith("__") and len(name) > 4:   # operator dunders: aten.__and__
-        name = name[2:-2]
-    name = name.lstrip("_")
-    if name.endswith("_") and not name.endswith("__"):  # in-place spelling: add_ -> add
-        name = name[:-1]
-    for namespace in ("fft_", "linalg_"):   # torch.fft.rfft is "fft_rfft", torch.linalg.inv "linalg_inv"
-        if name.startswith(namespace) and len(name) > len(namespace):
-            name = name[len(namespace):]
-    return ALIASES.get(name, name)
 
 
 def mutates_first_input(node: fx.Node) -> bool:
@@ -83,11 +71,11 @@ def canonical_op(node: fx.Node, root: nn.Module) -> str:
             return module.amp_canonical_op
         return "module:" + type(module).__name__
     if node.op == "call_method":
-        return _strip(target)
+        return canonical_op_name(target)
     if isinstance(target, torch._ops.OpOverload):
-        return _strip(target.overloadpacket.__name__)
+        return canonical_op_name(target.overloadpacket.__name__)
     if isinstance(target, torch._ops.OpOverloadPacket):
-        return _strip(target.__name__)
+        return canonical_op_name(target.__name__)
     if target is getattr:   # x.shape, x.dtype: metadata; out.last_hidden_state: a value picked from a container
         return "getattr" if node.args[1] in METADATA_ATTRIBUTES else "getitem"
     if target is operator.getitem:
@@ -95,7 +83,7 @@ def canonical_op(node: fx.Node, root: nn.Module) -> str:
     if target is operator.matmul:
         return "matmul"
     name = getattr(target, "__name__", None) or str(target)
-    return _strip(name)
+    return canonical_op_name(name)
 
 
 def canonicalize(gm: fx.GraphModule) -> PassResult:

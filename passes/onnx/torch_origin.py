@@ -13,7 +13,7 @@ import re
 
 import onnx_ir as ir
 
-from amp_compiler.passes.policy.op_aliases import ALIASES
+from amp_compiler.passes.policy.op_aliases import canonical_op_name
 
 _LAST_CLASS = re.compile(r"'([^']*)'\]$")
 _FX_NODE = re.compile(r"%([\w.]+) ")
@@ -24,8 +24,7 @@ def origin_op(node: ir.Node) -> str | None:
     match = _LAST_CLASS.search(node.metadata_props.get("pkg.torch.onnx.class_hierarchy", ""))
     if match is None or not match.group(1).startswith("aten."):
         return None
-    name = match.group(1).split(".")[1].lstrip("_")
-    return ALIASES.get(name, name)
+    return canonical_op_name(match.group(1).split(".")[1])   # as the fx canonicalizer names it
 
 
 def origin_node_name(node: ir.Node) -> str:

@@ -30,3 +30,18 @@ ALIASES = {
     # operator.and_ / aten.__and__ (masks combined with &): the trailing underscore is Python's, not in-place
     "and": "and_", "or": "or_", "not": "not_", "iand": "and_", "ior": "or_", "ixor": "xor",
 }
+
+
+def canonical_op_name(name: str) -> str:
+    """The name op_policy keys an op by, from how torch spells it: aten.__and__ -> "and_", add_ (in place) -> "add",
+    _softmax -> "softmax", fft_rfft -> "rfft". Both IRs name ops through it (fx nodes, and the ATen op an
+    exported ONNX node came from)."""
+    if name.startswith("__") and name.endswith("__") and len(name) > 4:   # operator dunders: aten.__and__
+        name = name[2:-2]
+    name = name.lstrip("_")
+    if name.endswith("_") and not name.endswith("__"):  # in-place spelling: add_ -> add
+        name = name[:-1]
+    for namespace in ("fft_", "linalg_"):   # torch.fft.rfft is "fft_rfft", torch.linalg.inv "linalg_inv"
+        if name.startswith(namespace) and len(name) > len(namespace):
+            name = name[len(namespace):]
+    return ALIASES.get(name, name)

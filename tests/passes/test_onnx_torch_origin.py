@@ -4,6 +4,7 @@ import onnx_ir as ir
 import pytest
 
 from amp_compiler.passes.onnx.torch_origin import origin_node_name, origin_op
+from amp_compiler.passes.policy.op_policy import POLICY
 
 
 def exported(name="node_softmax", **metadata) -> ir.Node:
@@ -32,11 +33,12 @@ def test_no_aten_op_when_the_file_does_not_say():
     assert origin_op(exported(**{"pkg.torch.onnx.class_hierarchy": module_only})) is None
 
 
-@pytest.mark.xfail(strict=True, reason="origin_op strips only leading underscores: aten.__and__ gives 'and__', "
-                                       "where fx canonicalize names the same ATen op 'and_'")
-def test_an_operator_dunder_is_named_as_fx_names_it():
-    hierarchy = "['__main__.M', 'aten.__and__.Tensor']"
-    assert origin_op(exported(**{"pkg.torch.onnx.class_hierarchy": hierarchy})) == "and_"
+@pytest.mark.parametrize("aten, canonical", [("__and__", "and_"), ("__or__", "or_"), ("_softmax", "softmax"),
+                                              ("add_", "add"), ("fft_rfft", "rfft")])
+def test_an_aten_op_is_named_as_the_fx_canonicalizer_names_it(aten, canonical):
+    hierarchy = f"['__main__.M', 'aten.{aten}.Tensor']"
+    assert origin_op(exported(**{"pkg.torch.onnx.class_hierarchy": hierarchy})) == canonical
+    assert canonical in POLICY   # the name the policy table keys its rule by
 
 
 def test_the_torch_node_name_is_read_from_the_fx_node_line():
