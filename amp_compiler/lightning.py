@@ -73,6 +73,7 @@ from amp_compiler.dynamo.compile import compile_children, compile_per_block, fsd
 from amp_compiler.converted import compiled_record
 from amp_compiler.dynamo.fp8_histories import pop_history_keys
 from amp_compiler.dynamo.in_place import load_histories
+from amp_compiler.train.fsdp_policy import GATHERS_LOW, level_mp_policy, policy_contradiction
 from amp_compiler.train.loss_scale import LossScaleManager
 from amp_compiler.train.overflow_report import locate_overflow, replay_rng, rng_state
 
@@ -85,7 +86,6 @@ FP8_HISTORIES = "amp_compiler_fp8_histories"   # a Trainer checkpoint's key for 
 FP8_HISTORIES_BY_RANK = "amp_compiler_fp8_histories_by_rank"   # [rank 0's, rank 1's, ...] when several ranks save
 ALTERNATIVES = ('use strategy="ddp", "ddp_spawn" or ModelParallelStrategy with FSDP2 (fully_shard) with this '
                 'plugin, or Lightning\'s own precision="bf16-mixed" with that strategy')
-GATHERS_LOW = ("O3",)   # levels that run every op low: FSDP2 may gather their parameters low (README's table)
 
 
 class AmpTraining:
@@ -156,10 +156,7 @@ class AmpTraining:
     def mp_policy(self):
         """FSDP2's MixedPrecisionPolicy for this level (README's table): fp32 gathers and reduction where the
         graphs keep weights fp32 (norms) and cast the others themselves; at O3 low gathers, an fp32 reduction."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-        if self.level in GATHERS_LOW:
-            return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        return MixedPrecisionPolicy()
+        return level_mp_policy(self.level, self.dtype)
 
     # -- after a step ----------------------------------------------------------------------------------------
     def after_step(self) -> None:
@@ -447,13 +444,7 @@ def _refuse_contradicting_policies(module: nn.Module, level: str, dtype: torch.d
         if not isinstance(sharded, sharded_type):
             continue
         policy = sharded._get_fsdp_state()._mp_policy   # FSDP2 keeps no public getter for it
-        gathered, reduced = policy.param_dtype, policy.reduce_dtype or policy.param_dtype
-        why = None
-        if gathered not in (None, torch.float32) and (level not in GATHERS_LOW or gathered != dtype):
-            why = (f"gathers the weights in {gathered}, but level {level} keeps some of them fp32 (norms)"
-                   if level not in GATHERS_LOW else f"gathers them in {gathered}, not the level's {dtype}")
-        elif reduced == torch.float16:
-            why = "reduces gradients in float16: scaled fp16 gradients summed over ranks overflow sooner"
+        why = policy_contradiction(policy, level, dtype)
         if why is not None:
             raise ValueError(f"AmpPrecision: {path or type(module).__name__} is sharded with {policy}, which {why}; "
                              f"pass mp_policy=self.trainer.precision_plugin.mp_policy ({expected}) to fully_shard "
