@@ -5,7 +5,7 @@
     with torch.inference_mode():
         gm(x)          # first call: casts the weights and keeps the copies; later calls cast no weight
     amp_compiler.frozen_bytes(gm)   # what the copies cost
-    amp_compiler.frozen.pack_linears(gm)   # CPU, bf16: linears read oneDNN-packed copies (faster, 2x the bytes)
+    amp_compiler.frozen.pack_linears(gm)   # CPU, bf16: linears read oneDNN-packed copies instead (faster)
 
 A copy is used only while it is still the weight's: same tensor object (load_state_dict(assign=True) or a
 new Parameter replace it), same version counter (optimizer steps, load_state_dict, in-place ops under
@@ -47,7 +47,6 @@ class _Copy:
     sampled: torch.Tensor    # a strided view of the weight's values (aliases its storage)
     sample: torch.Tensor     # what those values were when `low` was made
     low: torch.Tensor
-    packed: torch.Tensor | None = None   # `low` in oneDNN's blocked layout (frozen_linear), made on first use
     scale: torch.Tensor | None = None    # an fp8 copy's: low ~= weight * scale (per tensor, or one per row)
     history: tuple | None = None         # delayed scaling: (weakref, version) of the amax history the scale read
 
@@ -60,7 +59,6 @@ class _Copy:
             copy = _Copy(weakref.ref(weight), weight._version, (weight.data_ptr(), weight.shape), sampled,
                          sampled.clone(), low, scale=scale,
                          history=(weakref.ref(history), history._version) if history is not None else None)
-        _COPY_OF_LOW[id(low)] = copy
         return copy
 
     def still_of(self, weight: torch.Tensor, history: torch.Tensor | None = None) -> bool:
@@ -187,7 +185,7 @@ class FrozenWeights(nn.Module):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for c in self._copies.values()
-                   for t in (c.low, c.packed, c.scale) if t is not None)
+                   for t in (c.low, c.scale) if t is not None)
 
     def clear(self) -> None:
         self._copies.clear()
@@ -202,35 +200,7 @@ class FrozenWeights(nn.Module):
         return FrozenWeights(self.sample_values).train(self.training)
 
 
-# id(copy.low) -> the _Copy, while it lives: frozen_linear tells a frozen copy from any other low tensor
-_COPY_OF_LOW: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
-
-
-@graph_leaf
-def frozen_linear(input, weight, bias=None):
-    """linear(input, weight, bias); when `weight` is a frozen bf16 copy on a CPU with oneDNN, its copy packed
-    in oneDNN's blocked layout (made once, dropped with the copy) runs instead: the same result bit for bit,
-    1.7x faster for a decode step's few rows (CPU, 1 thread, bf16: 512x512 17 vs 29 us, 1376x512 33 vs 57 us,
-    8000x512 124 vs 258 us at one row). Anything else (fp32 replays, training, torch.compile): plain linear."""
-    packed = _packed_copy(input, weight, bias)
-    if packed is None:
-        return torch._C._nn.linear(input, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(input, packed, bias, "none", [None], "")
-
-
-def _packed_copy(input, weight, bias) -> torch.Tensor | None:
-    copy = _COPY_OF_LOW.get(id(weight))
-    if (copy is None or copy.low is not weight or weight.dtype is not torch.bfloat16 or input.dtype is not weight.dtype
-            or (bias is not None and bias.dtype is not weight.dtype) or weight.device.type != "cpu"
-            or weight.dim() != 2 or input.dim() < 2 or input.requires_grad or torch.compiler.is_compiling()):
-        return None
-    if copy.packed is None:
-        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            return None
-        with torch.inference_mode(False), torch.no_grad():
-            copy.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-    return copy.packed
 
 
 @graph_leaf
@@ -260,7 +230,7 @@ def fuse_packed_linears(gm: fx.GraphModule) -> int:
             else None
         if (not isinstance(cast, fx.Node) or cast.target is not amp_frozen_cast or cast.args[1] is not torch.bfloat16
                 or node.kwargs or any(user.target not in _LINEARS or user.args[1] is not cast for user in cast.users)
-                or getattr(cast.args[0].meta.get("val"), "ndim", None) != 2):
+                or _ndim(gm, cast.args[0]) != 2):
             continue
         weight, dtype, copies = cast.args
         bias = node.args[2] if len(node.args) > 2 else None
@@ -276,11 +246,20 @@ def fuse_packed_linears(gm: fx.GraphModule) -> int:
     return count
 
 
+def _ndim(gm: fx.GraphModule, weight: fx.Node) -> int | None:
+    """The weight's number of dimensions: its recorded value's (dynamo's graphs, or example_inputs), or the
+    tensor a get_attr node names (an fx graph converted without example inputs)."""
+    value = weight.meta.get("val")
+    if value is None and weight.op == "get_attr":
+        value = getattr(gm.get_submodule(weight.target.rpartition(".")[0]), weight.target.rpartition(".")[2], None)
+    return getattr(value, "ndim", None)
+
+
 def pack_linears(model: nn.Module) -> nn.Module:
     """Let the frozen graphs of `model` (convert(..., freeze=True) or freeze() results) run their linears on
-    oneDNN-packed copies of
-    the frozen bf16 weights, on CPU: a decode step of a 4x512 Llama (batch 1, 1 thread) 20% faster. The cost:
-    a second low-precision copy of each Linear weight (frozen_bytes counts it: 2x). Returns `model`.
+    oneDNN-packed copies of the frozen bf16 weights, on CPU: a decode step of a 4x512 Llama (batch 1, 1 thread) 20%
+    faster. A weight only linears read is kept packed instead of plain (the same bytes); one that other ops read
+    too keeps its plain copy and its linears stay as they are. Returns `model`.
     On TorchDynamo's capture (convert(model, inplace=True)) the weight cache packs them already, keeping the packed
     copy only: nothing to do, unless the model was compiled with weight_cache=False."""
     record = compiled_record(model)
@@ -299,21 +278,11 @@ def pack_linears(model: nn.Module) -> nn.Module:
 
 
 def pack_frozen_linears(gm: fx.GraphModule) -> None:
-    """The linear nodes of a frozen graph that read a frozen weight copy call frozen_linear (their count:
-    gm.meta["amp"]["frozen"]["linears_packed"]); a graph packed already is left as it is."""
-    frozen = gm.meta["amp"]["frozen"]
-    if "linears_packed" in frozen:
-        return
-    count = 0
-    for node in gm.graph.nodes:
-        weight = node.args[1] if node.op == "call_function" and node.target in _LINEARS and len(node.args) > 1 \
-            else None
-        if isinstance(weight, fx.Node) and weight.target is amp_frozen_cast:
-            node.target = frozen_linear
-            count += 1
-    if count:
-        gm.recompile()
-    frozen["linears_packed"] = count
+    """A frozen graph's bf16 linears read oneDNN-packed copies, as the in-place weight cache's do
+    (fuse_packed_linears; their count: gm.meta["amp"]["frozen"]["linears_packed"]); a graph packed already is
+    left as it is."""
+    if "linears_packed" not in gm.meta["amp"]["frozen"]:
+        fuse_packed_linears(gm)
 
 
 def _converted_graphs(model: nn.Module) -> list[fx.GraphModule]:

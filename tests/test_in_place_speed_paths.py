@@ -18,7 +18,7 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler.dynamo import graphs
-from amp_compiler.frozen import frozen_linear, pack_linears, packed_frozen_linear
+from amp_compiler.frozen import pack_linears, packed_frozen_linear
 from amp_testing import ProfiledDtypes   # aten::equal events: the frozen copies' value checks
 
 BF16 = torch.bfloat16
@@ -219,8 +219,6 @@ def test_packed_linears_compute_as_written_while_training_and_with_fp32_inputs()
                                      inplace=True)
     out = packed(x, State())
     assert out.requires_grad and torch.equal(out, reference(x, State()))
-    weight = packed.head.weight
-    assert torch.equal(frozen_linear(x, weight, None), torch.nn.functional.linear(x, weight))   # an fp32 replay
 
 
 def test_pack_linears_refuses_a_model_without_frozen_copies():
@@ -232,13 +230,19 @@ def test_pack_linears_refuses_a_model_without_frozen_copies():
 
 
 @pytest.mark.skipif(not ONEDNN_BF16, reason="needs oneDNN with bf16 (packed linear weights)")
-def test_pack_linears_on_a_frozen_convert_result():
+@pytest.mark.parametrize("with_example_inputs", [True, False])
+def test_pack_linears_on_a_frozen_convert_result(with_example_inputs):
+    """The fx graph packs through the weight cache's own mechanism: each linear's packed copy instead of its plain
+    one (the same bytes), with or without recorded values (example_inputs) to read the weights' shapes from."""
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval(), torch.randn(4, 16)
-    frozen = amp_compiler.convert(model, "O1", dtype=BF16, example_inputs=(x,), freeze=True).eval()
-    packed = pack_linears(amp_compiler.convert(model, "O1", dtype=BF16, example_inputs=(x,), freeze=True).eval())
+    options = {"example_inputs": (x,)} if with_example_inputs else {}
+    frozen = amp_compiler.convert(model, "O1", dtype=BF16, freeze=True, **options).eval()
+    packed = pack_linears(amp_compiler.convert(model, "O1", dtype=BF16, freeze=True, **options).eval())
     with torch.inference_mode():
         assert torch.equal(packed(x), frozen(x)) and torch.equal(packed(x), frozen(x))
+        assert amp_compiler.frozen_bytes(packed) == amp_compiler.frozen_bytes(frozen) > 0   # not a second copy
         model[0].weight.data.mul_(2.0)   # seen by the sampled values
         assert torch.equal(packed(x), frozen(x))
     assert packed.meta["amp"]["frozen"]["linears_packed"] == 2
+    assert sum(n.target is packed_frozen_linear for n in packed.graph.nodes) == 2
