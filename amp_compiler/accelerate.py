@@ -47,6 +47,9 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler.converted import compiled_record
+from amp_compiler.dynamo.compile import CompiledForward, _hand_over_histories, compile_per_block, \
+    fsdp_sharded_submodule, history_stores, restore_compiled
+from amp_compiler.train.fsdp_policy import level_mp_policy, policy_contradiction
 from amp_compiler.train.loss_scale import LossScaleManager
 from amp_compiler.train.overflow_report import locate_overflow, replay_rng
 
@@ -62,7 +65,7 @@ def prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, *ot
     `amp_compiler.convert` (e.g. force_fp32=[...]); `scaler` (fp16 only) defaults to `amp_compiler.GradScaler()`.
     """
     refuse_builtin_mixed_precision(accelerator.mixed_precision, "Accelerator(mixed_precision=\"no\")")
-    refuse_deepspeed(accelerator)
+    check_distributed(accelerator)
     scaler = checked_scaler(scaler, dtype)
     _refuse_prepared_optimizer(optimizer)
     convert_once(model, level, dtype, convert_options)
@@ -81,12 +84,86 @@ def refuse_builtin_mixed_precision(mixed_precision: str, fix: str) -> None:
                          "and choose the precision with dtype=")
 
 
-def refuse_deepspeed(accelerator) -> None:
-    """DeepSpeed's engine runs backward and loss scaling itself: the installed scaler would never see the loss."""
+def check_distributed(accelerator) -> None:
+    """DeepSpeed and FSDP1 refused; under FSDP2 the accelerator's prepare shards with the level's policy."""
     from accelerate.utils import DistributedType
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise ValueError("DeepSpeed casts and scales the model itself (its fp16/bf16 config): amp_compiler's "
-                         "conversion is not supported under it; use DDP or FSDP, or DeepSpeed's own mixed precision")
+                         "conversion is not supported under it; use DDP or FSDP2, or DeepSpeed's own mixed precision")
+    if accelerator.distributed_type == DistributedType.FSDP:
+        if accelerator.state.fsdp_plugin.fsdp_version != 2:
+            raise ValueError("FSDP1 (FullyShardedDataParallelPlugin(fsdp_version=1), the default) wraps the model in "
+                             "flat parameters, which the in-place conversion is not tested on: use "
+                             "FullyShardedDataParallelPlugin(fsdp_version=2) (TrainingArguments: "
+                             "fsdp_config={\"version\": 2}), or DDP")
+        shard_with_level_policy(accelerator)
+
+
+def refuse_deepspeed(accelerator) -> None:
+    """check_distributed under the name amp_compiler.huggingface imports (where the Trainer builds its
+    accelerator): besides refusing DeepSpeed it refuses FSDP1 and makes FSDP2's prepare use the level's policy."""
+    check_distributed(accelerator)
+
+
+# -- FSDP2 (fsdp_version=2) -----------------------------------------------------------------------------------
+def shard_with_level_policy(accelerator) -> None:
+    """Make `accelerator.prepare` (which FSDP2 shards the model in: fully_shard per auto-wrap-policy module, then
+    the root) shard a converted model with its level's MixedPrecisionPolicy, then compile it per block.
+
+    The plugin's own mixed_precision_policy is used only when it agrees with the level (a contradicting one is
+    refused, naming it); unset, the level's is used for that prepare and the plugin left as it was."""
+    if getattr(accelerator.prepare, "shards_with_level_policy", False):
+        return   # a second prepare() or Trainer on this accelerator: wrapped once
+    prepare = accelerator.prepare
+
+    def prepare_with_level_policy(*args, **kwargs):
+        converted = [obj for obj in args if isinstance(obj, nn.Module) and compiled_record(obj) is not None]
+        if not converted:
+            return prepare(*args, **kwargs)
+        plugin = accelerator.state.fsdp_plugin
+        given = plugin.mixed_precision_policy
+        plugin.mixed_precision_policy = level_policy_for(given, compiled_record(converted[0]).config)
+        try:
+            result = prepare(*args, **kwargs)
+        finally:
+            used, plugin.mixed_precision_policy = plugin.mixed_precision_policy, given   # the user's plugin as it was
+        for model in converted:   # FSDP2 shards in place: the same objects come back
+            compile_sharded_model(model, gathers_low=used.param_dtype not in (None, torch.float32))
+        return result
+    prepare_with_level_policy.shards_with_level_policy = True
+    accelerator.prepare = prepare_with_level_policy
+
+
+def level_policy_for(given, config):
+    """The MixedPrecisionPolicy FSDP2 shards with: the level's (train/fsdp_policy.py) when the plugin sets none,
+    the plugin's when it agrees with the level."""
+    expected = level_mp_policy(config.level, config.low_dtype)
+    if given is None:
+        return expected
+    why = policy_contradiction(given, config.level, config.low_dtype)
+    if why is not None:
+        raise ValueError(f"amp_compiler.accelerate: the FSDP plugin's mixed_precision_policy {given} {why}; leave "
+                         f"FullyShardedDataParallelPlugin(mixed_precision_policy=...) unset (amp_compiler then shards "
+                         f"with the level's {expected}) or pass that one")
+    return given
+
+
+def compile_sharded_model(model: nn.Module, gathers_low: bool) -> None:
+    """A converted model FSDP2 just sharded: when blocks of it are sharded, compiled per block now, as its first
+    sharded call would (dynamo.compile._sharded_call), so the fp8 amax stores a checkpoint loads into are the ones
+    training uses and O3's low gathers are not taken for low weights; a model sharded at its root alone keeps its
+    whole-model graph (FSDP2 gathers every weight before that forward)."""
+    forward = compiled_record(model)
+    if isinstance(forward, CompiledForward) and fsdp_sharded_submodule(model) is not None:
+        histories = forward.fp8_histories.tensors if forward.fp8_histories is not None else {}
+        restore_compiled(model)
+        compile_per_block(model, forward.config, forward.options,
+                          note=f"compiled per block: its submodule {fsdp_sharded_submodule(model)} is sharded with "
+                               "FSDP2 (fully_shard) by Accelerate")
+        _hand_over_histories(histories, history_stores(model))
+    if gathers_low:   # O3: the graphs see bf16/fp16 unsharded weights on purpose, the fp32 shards stay the masters
+        for compiled in compiled_record(model).forwards(model):
+            compiled.weights_cast_low = True
 
 
 def checked_scaler(scaler: LossScaleManager | None, dtype: torch.dtype) -> LossScaleManager | None:
