@@ -35,7 +35,20 @@ the scaler. The replay runs under a forked RNG (training's random stream is unto
 DeepSpeed is refused (its engine runs backward and loss scaling itself). DDP (`torchrun --nproc-per-node N
 script.py`) is tested on gloo: the scaler all-reduces its overflow flag, so every rank skips together; call
 explain_overflow on every rank (no collective: each replays its own batch): the rank whose batch overflowed logs
-where, the others log that theirs stayed finite. FSDP is not tested with this recipe.
+where, the others log that theirs stayed finite.
+
+FSDP2 (`Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...), mixed_precision="no")`, and
+the HF Trainer's `fsdp="full_shard", fsdp_config={"version": 2}`): Accelerate shards the converted model in prepare
+(fully_shard per auto-wrap-policy module, its own embedding/final-norm groups for HF models, then the root).
+`check_distributed` wraps the accelerator's prepare so each fully_shard gets the level's MixedPrecisionPolicy
+(train/fsdp_policy.py: fp32 gathers and reduction at O0-O2 and fp8, low gathers with an fp32 reduction at O3)
+when the plugin sets none; a plugin policy that contradicts the level (a low param_dtype where the level keeps
+weights fp32, an fp16 reduction) is refused, naming it. The plugin is left as given. The sharded model is then
+compiled per block at once (dynamo.compile.compile_per_block), as its first sharded call would be. FSDP1
+(fsdp_version=1) is refused. On CPU Accelerate drops the plugin and wraps in DDP (MULTI_CPU): the suite runs the
+FSDP2 path on 2 gloo ranks with the accelerator state set to what a GPU machine's holds
+(tests/test_accelerate_fsdp.py); on GPUs it runs only through `python benchmarks/gpu_fsdp.py`. fp16 loss scaling,
+explain_overflow and save_state/load_state under FSDP2 are not tested.
 """
 from __future__ import annotations
 
