@@ -47,8 +47,9 @@ weights fp32, an fp16 reduction) is refused, naming it. The plugin is left as gi
 compiled per block at once (dynamo.compile.compile_per_block), as its first sharded call would be. FSDP1
 (fsdp_version=1) is refused. On CPU Accelerate drops the plugin and wraps in DDP (MULTI_CPU): the suite runs the
 FSDP2 path on 2 gloo ranks with the accelerator state set to what a GPU machine's holds
-(tests/test_accelerate_fsdp.py); on GPUs it runs only through `python benchmarks/gpu_fsdp.py`. fp16 loss scaling,
-explain_overflow and save_state/load_state under FSDP2 are not tested.
+(tests/test_accelerate_fsdp.py: bf16 O1 and O3, fp16 O2 with the scaler and gradient accumulation); on GPUs it
+runs only through `python benchmarks/gpu_fsdp.py`. A skipped fp16 step (explain_overflow) and
+save_state/load_state under FSDP2 are not tested.
 """
 from __future__ import annotations
 
