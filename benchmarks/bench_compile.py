@@ -143,16 +143,22 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--new", type=int, default=16)
+    parser.add_argument("--write-docs", action="store_true",
+                        help="after printing, write the table into docs/performance.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     # torch.compile(model) of three copies of one class shares the class's forward code object: dynamo's limit of
     # 8 graphs per code object (prefill + 2 decode graphs each) would leave the third copy running as written
     torch._dynamo.config.recompile_limit = 64
-    if "train" in args.what:
-        bench_train(args)
-    if "decode" in args.what:
-        bench_decode(args)
+    import doc_tables
+    with doc_tables.captured() as printed:
+        if "train" in args.what:
+            bench_train(args)
+        if "decode" in args.what:
+            bench_decode(args)
+    if args.write_docs:
+        doc_tables.write_table("performance.md", "bench-compile", printed.text, doc_tables.command_line())
 
 
 if __name__ == "__main__":

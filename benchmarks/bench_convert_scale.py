@@ -143,14 +143,19 @@ def main() -> None:
     parser.add_argument("--depth", action="store_true", help="also time convert() against depth")
     parser.add_argument("--against", help="a commit to time too (e.g. 464202c, before issue 22's work)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--write-docs", action="store_true",
+                        help="after printing, write the table into docs/performance.md (the targets table)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]))))
         return
-    with tempfile.TemporaryDirectory() as directory:
+    import doc_tables
+    with tempfile.TemporaryDirectory() as directory, doc_tables.captured() as printed:
         tree = extracted(args.against, directory) if args.against else None
         targets(args.repeats, tree, args.against)
+    if args.write_docs:
+        doc_tables.write_table("performance.md", "bench-convert-scale", printed.text, doc_tables.command_line())
     if args.depth:
         depth()
 

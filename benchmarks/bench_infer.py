@@ -137,6 +137,9 @@ def main() -> None:
     parser.add_argument("--real", default="", help="comma-separated names from tests/real_models.py")
     parser.add_argument("--compile", action="store_true", help="add torch.compile (inductor) variants")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--write-docs", action="store_true",
+                        help="after printing, write the table into docs/performance.md (bench-infer; with "
+                             "--compile: bench-infer-compile)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -144,6 +147,15 @@ def main() -> None:
     cases += [(n, lambda n=n: real_case(n)) for n in args.real.split(",") if n]
     names = ["fp32", "autocast", "ours", "frozen"] + (["autocast+compile", "ours+compile", "frozen+compile"]
                                                       if args.compile else [])
+    import doc_tables
+    with doc_tables.captured() as printed:
+        tables(args, cases, names)
+    if args.write_docs:
+        name = "bench-infer-compile" if args.compile else "bench-infer"
+        doc_tables.write_table("performance.md", name, printed.text, doc_tables.command_line())
+
+
+def tables(args, cases, names) -> None:
     rows = []
     for name, make in cases:
         row = measure(*make(), args.repeats, args.compile)

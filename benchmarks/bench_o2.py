@@ -330,10 +330,18 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--tables", default="speed", choices=("speed", "loss", "ddp"))
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--write-docs", action="store_true",
+                        help="after printing, write the table into docs/performance.md (--tables speed)")
     args = parser.parse_args(argv)
     names = args.models.split(",")
+    if args.write_docs and args.tables != "speed":
+        parser.error("--write-docs writes the speed and memory tables (--tables speed)")
     if args.tables == "speed":
-        speed_tables(names, args.size, args.rounds)
+        import doc_tables
+        with doc_tables.captured() as printed:
+            speed_tables(names, args.size, args.rounds)
+        if args.write_docs:
+            doc_tables.write_table("performance.md", "bench-o2", printed.text, doc_tables.command_line())
     elif args.tables == "ddp":
         ddp_table(names, args.size)
     else:

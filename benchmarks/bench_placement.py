@@ -18,6 +18,8 @@ import warnings
 
 import torch
 
+import doc_tables
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
 
@@ -74,14 +76,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated model names")
     parser.add_argument("--zoo-only", action="store_true")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="after printing, write the table into docs/performance.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     names = [n for n in args.only.split(",") if n]
+    with doc_tables.captured() as printed:
+        print_table(names, args.zoo_only)
+    if args.write_docs:
+        doc_tables.write_table("performance.md", "bench-placement", printed.text, doc_tables.command_line())
+
+
+def print_table(names: list[str], zoo_only: bool) -> None:
     print(f"{'model':<24}{'casts painted/greedy/cut/ac':>28}{'MB cast painted':>16}{'greedy':>8}{'cut':>8}"
           f"{'autocast':>9}{'predicted MB painted->greedy/cut':>34}{'moved greedy/cut':>18}")
     totals = [0, 0, 0, 0]
-    for name, model, inputs in _models(names, args.zoo_only):
+    for name, model, inputs in _models(names, zoo_only):
         try:
             r = row(model, inputs)
         except Exception as error:  # noqa: BLE001 - one model's failure is a row, not the end of the table

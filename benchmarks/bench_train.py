@@ -238,6 +238,8 @@ def main(argv=None) -> None:
                         help="which tables to print: memory, time, scale, distributed (the last under torchrun)")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                         help="low dtype for the memory table (the timing table uses bf16, as autocast on CPU)")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="after printing, write the step-time table (--tables time) into docs/performance.md")
     args = parser.parse_args(argv)
     names = args.models.split(",")
     dtype = getattr(torch, args.dtype)
@@ -248,7 +250,13 @@ def main(argv=None) -> None:
     if "memory" in tables:
         memory_table(names, args.size, dtype, args.dtype)
     if "time" in tables:
-        time_table(names, args.size, args.rounds)
+        import doc_tables
+        with doc_tables.captured() as printed:
+            time_table(names, args.size, args.rounds)
+        if args.write_docs:
+            doc_tables.write_table("performance.md", "bench-train-time", printed.text, doc_tables.command_line())
+    elif args.write_docs:
+        parser.error("--write-docs writes the step-time table: add time to --tables")
     if "scale" in tables:
         initial_scale_table(names, args.size, args.scale_steps)
     if "distributed" in tables:

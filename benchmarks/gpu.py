@@ -405,8 +405,12 @@ def main(argv=None) -> list[list]:
     parser.add_argument("--budget-s", type=float, default=450.0)
     parser.add_argument("--infer-dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: train,infer,fp8,onnx,compile")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="after printing, write the table into docs/performance.md")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
+    if args.write_docs and args.dry_run:
+        parser.error("--write-docs writes a GPU's figures into the docs: a --dry-run's CPU figures do not belong there")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --dry-run to check the script on CPU")
     settings = Settings("cpu" if args.dry_run else "cuda", args.dry_run, args.repeats or (1 if args.dry_run else 20),
@@ -458,7 +462,12 @@ def main(argv=None) -> list[list]:
                          "", ""])
         print(f"{time.perf_counter() - settings.started:6.1f} s  " + "  ".join(map(str, rows[-1])), file=sys.stderr,
               flush=True)
-    print_table(rows, settings)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # doc_tables beside this script
+    import doc_tables
+    with doc_tables.captured() as printed:
+        print_table(rows, settings)
+    if args.write_docs:
+        doc_tables.write_table("performance.md", "gpu", printed.text, doc_tables.command_line())
     return rows
 
 
