@@ -377,7 +377,7 @@ def lightning_fit(run: Run, variant: str, fsdp1: bool) -> dict:
     trainer.fit(module, loader)
     if fsdp1:
         from torch.distributed.fsdp import FullyShardedDataParallel
-        with FullyShardedDataParallel.summon_full_params(trainer.strategy.model):
+        with FullyShardedDataParallel.summon_full_params(module):   # every FSDP unit below it, gathered
             return meter.result(list(module.model.parameters()))
     return meter.result(module.model.parameters())
 
@@ -482,7 +482,7 @@ def main(argv=None) -> list[list] | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, 2 gloo ranks, tiny sizes")
     parser.add_argument("--nproc", type=int, default=None, help="ranks (default: the GPUs seen; 2 with --dry-run)")
-    parser.add_argument("--budget-s", type=float, default=270.0, help="skip the setups left after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="skip the setups left after this many seconds")
     parser.add_argument("--setups", type=lambda text: text.split(","), default=list(SETUPS),
                         help=f"comma-separated, of: {', '.join(SETUPS)}")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)   # a rank, started by the launcher
