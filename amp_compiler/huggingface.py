@@ -25,15 +25,27 @@ resume_from_checkpoint. `class MyTrainer(AmpTrainerMixin, SFTTrainer)` does the 
   accumulation window, from the RNG state it started with, with the scale the step used) through
   `amp_compiler.train.overflow_report.locate_overflow`, which names the node that went inf/nan first; the report
   is logged and recorded on the scaler (`trainer.amp_overflow_report`).
+- The Trainer's loss-kwargs trap is warned about, once, at the first micro-batch that has labels: a forward taking
+  `**kwargs` makes the Trainer pass `num_items_in_batch` and then neither divide the loss by the accumulation steps
+  nor (with `average_tokens_across_devices`, the default) keep it from being multiplied by the world size. A model
+  whose loss ignores num_items_in_batch then steps (accumulation x world size) times what one process on the global
+  batch steps. AmpTrainer trains as the plain Trainer does (it changes nothing) but warns, naming the model class
+  and the fix (`accepts_loss_kwargs = False` on the model), when the model has no `accepts_loss_kwargs` attribute,
+  no `compute_loss_func` is given, that factor is above 1, and the model is not a PreTrainedModel whose forward
+  passes its **kwargs on to `self.loss_function` (many of transformers' own heads, BertForSequenceClassification
+  among them, compute their loss without it: they are warned about too).
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+import re
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer_utils import unwrap_peft_model
 
 from amp_compiler.accelerate import (checked_scaler, convert_once, install_scaler, locate_and_record,
                                      refuse_builtin_mixed_precision, refuse_deepspeed)
@@ -59,6 +71,7 @@ class AmpTrainerMixin:
         self.amp_skipped_steps = 0
         self.amp_overflow_report = None
         self._amp_last_micro_batch = None   # what the first skipped step replays
+        self._amp_loss_kwargs_checked = False
         if model is not None:
             convert_once(model, amp_level, amp_dtype, self.amp_options)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
@@ -79,6 +92,11 @@ class AmpTrainerMixin:
         return model
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if num_items_in_batch is not None and not self._amp_loss_kwargs_checked:
+            self._amp_loss_kwargs_checked = True
+            warning = loss_kwargs_trap(self)
+            if warning:
+                log.warning(warning)
         if self.amp_scaler is not None and self.amp_skipped_steps == 0:
             self._amp_last_micro_batch = (model, inputs, num_items_in_batch, rng_state(), self.amp_scaler.get_scale())
         return super().training_step(model, inputs, num_items_in_batch)
@@ -98,6 +116,49 @@ class AmpTrainerMixin:
                 super(AmpTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
         self.amp_overflow_report = locate_and_record(self.accelerator.unwrap_model(model), replay,
                                                      self.amp_scaler, log)
+
+
+def loss_kwargs_trap(trainer) -> str | None:
+    """What the Trainer (transformers 5.x) does to a loss-kwargs model's loss, when the model ignores the
+    num_items_in_batch it is passed: a warning naming the model and the fix, or None. Read for a micro-batch
+    whose num_items_in_batch the Trainer counted (labels in the batch): Trainer.compute_loss and training_step."""
+    model = unwrap_peft_model(trainer.accelerator.unwrap_model(trainer.model))
+    if (not trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None
+            or hasattr(model, "accepts_loss_kwargs") or _loss_uses_num_items_in_batch(model)):
+        return None
+    args = trainer.args
+    # loss_is_scaled_for_ga None (the default) counts a loss-kwargs model's loss as divided already
+    undivided = args.gradient_accumulation_steps if trainer.loss_is_scaled_for_ga is not False else 1
+    multiplied = 1
+    if args.average_tokens_across_devices:   # compute_loss multiplies the loss by this
+        multiplied = trainer.accelerator.num_processes // trainer.get_tp_size() if args.n_gpu <= 1 else args.n_gpu
+    if undivided * multiplied == 1:
+        return None
+    name = type(model).__name__
+    return (f"amp_compiler: {name}.forward takes **kwargs, so the Trainer passes it num_items_in_batch and then "
+            f"leaves its loss undivided by the {undivided} accumulation step(s) and multiplied by {multiplied} "
+            f"(average_tokens_across_devices, {trainer.accelerator.num_processes} processes); {name}'s loss does "
+            f"not use num_items_in_batch, so each optimizer step moves {undivided * multiplied}x what one process "
+            f"on the global batch moves (the plain Trainer does the same; AmpTrainer changes nothing). Fix: set "
+            f"`accepts_loss_kwargs = False` on {name} (a class attribute, or on the model before the Trainer is "
+            f"built), or divide its loss by num_items_in_batch")
+
+
+_PASSES_KWARGS_TO_LOSS = re.compile(r"loss_function\((?:[^()]|\([^()]*\))*\*\*\w*kwargs", re.S)
+
+
+def _loss_uses_num_items_in_batch(model) -> bool:
+    """transformers' own heads that honour num_items_in_batch pass forward's **kwargs to self.loss_function
+    (LlamaForCausalLM, GPT2LMHeadModel, ViTForImageClassification); others compute a batch-mean loss themselves
+    (BertForSequenceClassification, Llama's and GPT-2's sequence classifiers). A model that is not a
+    PreTrainedModel is taken to ignore it: the Trainer's own `accepts_loss_kwargs` is how it says otherwise."""
+    if not isinstance(model, PreTrainedModel):
+        return False
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):   # no source to read: give transformers' model the benefit of the doubt
+        return True
+    return "num_items_in_batch" in source or bool(_PASSES_KWARGS_TO_LOSS.search(source))
 
 
 class AmpTrainer(AmpTrainerMixin, Trainer):
