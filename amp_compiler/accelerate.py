@@ -47,12 +47,15 @@ weights fp32, an fp16 reduction) is refused, naming it. The plugin is left as gi
 compiled per block at once (dynamo.compile.compile_per_block), as its first sharded call would be. FSDP1
 (fsdp_version=1) is refused. On CPU Accelerate drops the plugin and wraps in DDP (MULTI_CPU): the suite runs the
 FSDP2 path on 2 gloo ranks with the accelerator state set to what a GPU machine's holds
-(tests/test_accelerate_fsdp.py: bf16 O1 and O3, fp16 O2 with the scaler and gradient accumulation); on GPUs it
-runs only through `python benchmarks/gpu_fsdp.py`. A skipped fp16 step (explain_overflow) and
+(tests/test_accelerate_fsdp.py: bf16 O1 and O3, fp16 O2 with the scaler and gradient accumulation, an fp16
+overflow on one rank); on GPUs it runs only through `python benchmarks/gpu_fsdp.py`. One rank's inf skips the step on every rank; explain_overflow
+(on every rank) replays with FSDP2's gradient reduction, since gradients left unsynced stay unsharded past zero_grad
+and would poison the next step; a rank that computed nothing non-finite says the overflow came from another rank.
 save_state/load_state under FSDP2 are not tested.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable
 
@@ -62,7 +65,7 @@ from torch import nn
 import amp_compiler
 from amp_compiler.converted import compiled_record
 from amp_compiler.dynamo.compile import CompiledForward, _hand_over_histories, compile_per_block, \
-    fsdp_sharded_submodule, history_stores, restore_compiled
+    fsdp_module_type, fsdp_sharded_submodule, history_stores, restore_compiled
 from amp_compiler.train.fsdp_policy import level_mp_policy, policy_contradiction
 from amp_compiler.train.loss_scale import LossScaleManager
 from amp_compiler.train.overflow_report import locate_overflow, replay_rng
@@ -265,27 +268,46 @@ def explain_overflow(accelerator, model: nn.Module, compute_loss: Callable[[], t
                          f"(accelerator.scaler is {type(scaler).__name__})")
     scale = accelerator._amp_scale_used / accelerator.gradient_accumulation_steps
 
-    def replay():   # no gradient all-reduce: every rank skipped the step and replays it on its own
-        with accelerator.no_sync(model):
+    def replay():
+        with replay_gradient_sync(accelerator, model):
             (compute_loss().float() * scale).backward()
     with replay_rng():   # from where the stream is (compute_loss is the user's); training's stream untouched
         return locate_and_record(accelerator.unwrap_model(model), replay, scaler, log)
 
 
+def replay_gradient_sync(accelerator, model: nn.Module):
+    """DDP: no all-reduce (every rank skipped the step and replays its own batch; the replay's gradients sit in
+    .grad, which the loop's zero_grad clears). FSDP2 reduces them instead (every rank replays, so its collectives
+    match): gradients left unsynced stay unsharded past zero_grad and join the next step's (measured: the step after
+    a replayed one was skipped too)."""
+    return contextlib.nullcontext() if accelerator.is_fsdp2 else accelerator.no_sync(model)
+
+
 def locate_and_record(model: nn.Module, replay: Callable[[], Any], scaler: LossScaleManager,
                       logger: logging.Logger):
     """locate_overflow(model, replay); the report is logged here and recorded on the scaler."""
-    report = scaler.record_overflow(locate_overflow(model, replay))   # None is recorded too: no stale report
+    report = _own_overflow(locate_overflow(model, replay), model)
+    scaler.record_overflow(report)   # None is recorded too: no stale report
     rank = _this_rank()
     if report is None:
-        another_rank = f"another rank's batch (DDP averages the gradients, so every rank skips; the rank whose batch " \
-            f"overflowed logs where), " if rank else ""
+        another_rank = f"another rank's batch (DDP averages the gradients, FSDP reduces them, so every rank skips; " \
+            f"the rank whose batch overflowed logs where), " if rank else ""
         logger.warning(f"amp_compiler: fp16 step skipped{rank}, but its replay stayed finite (the overflow was in "
                        f"{another_rank}another micro-batch of the gradient accumulation window, or depends on state "
                        "the replay does not restore, e.g. dropout masks)")
         return None
     logger.warning(f"amp_compiler: fp16 step skipped{rank} (loss scale {scaler.get_scale():g} after backing off): "
                    f"{report}")
+    return report
+
+
+def _own_overflow(report, model: nn.Module):
+    """None for a sharded model's replay in which nothing this rank computed went non-finite: FSDP2's replay
+    reduces gradients (replay_gradient_sync), and another rank's inf reached only this rank's parameter gradients."""
+    sharded_type = fsdp_module_type()
+    sharded = sharded_type is not None and (isinstance(model, sharded_type) or fsdp_sharded_submodule(model))
+    if report is not None and report.forward is None and report.backward is None and sharded:
+        return None
     return report
 
 

@@ -11,6 +11,7 @@ module, then the root), on gloo. fully_shard is spied on to record each call's m
 The reference of every training configuration is the same conversion in one process on the global batch."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -37,6 +38,7 @@ from distributed_testing import write_rank_results  # noqa: E402
 PER_RANK_BATCH = 4
 STEPS = 4
 LEARNING_RATE = 0.5
+OVERFLOW_STEP = 1
 MATMULS = ("addmm", "mm")
 PER_BLOCK = ("embed", "blocks.0", "blocks.1", "head")   # what compile_per_block compiles one by one here
 
@@ -133,7 +135,8 @@ def flat(model) -> list[float]:
     return torch.cat([full(p.detach()).flatten() for p in model.parameters()]).tolist()
 
 
-def one_process(level: str, dtype: torch.dtype, batches: list[tuple], per_rank: bool = False) -> list[float]:
+def one_process(level: str, dtype: torch.dtype, batches: list[tuple], per_rank: bool = False,
+                skipped=()) -> list[float]:
     """The unsharded run, one process, plain SGD on the unscaled loss (fp16's scale is a power of two here).
     per_rank=False: the whole model converted, the global batch's mean loss per step (what a user compares to).
     per_rank=True: what the sharded ranks compute, in one process: the model converted per block (as FSDP2's
@@ -146,7 +149,9 @@ def one_process(level: str, dtype: torch.dtype, batches: list[tuple], per_rank: 
     else:
         amp_compiler.convert(model, level, inplace=True, dtype=dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    for x, y in batches:
+    for step, (x, y) in enumerate(batches):
+        if step in skipped:
+            continue
         pieces = len(x) // PER_RANK_BATCH if per_rank else 1
         for xs, ys in zip(x.chunk(pieces), y.chunk(pieces)):
             (nn.functional.cross_entropy(model(xs).float(), ys) / pieces).backward()
@@ -155,9 +160,18 @@ def one_process(level: str, dtype: torch.dtype, batches: list[tuple], per_rank: 
     return flat(model)
 
 
-def references(level: str, dtype: torch.dtype, batches: list[tuple]) -> dict:
-    return {"reference": one_process(level, dtype, batches),
-            "per_rank_reference": one_process(level, dtype, batches, per_rank=True)}
+def references(level: str, dtype: torch.dtype, batches: list[tuple], skipped=()) -> dict:
+    return {"reference": one_process(level, dtype, batches, skipped=skipped),
+            "per_rank_reference": one_process(level, dtype, batches, per_rank=True, skipped=skipped)}
+
+
+class Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
 
 
 def plugin(**options) -> FullyShardedDataParallelPlugin:
@@ -182,7 +196,8 @@ def sharded_facts(model: nn.Module, spy: FullyShardSpy) -> dict:
             "compiled": type(record).__name__, "note": getattr(record, "note", None)}
 
 
-def train_with_prepare(level: str, dtype: torch.dtype, accumulation: int = 1) -> dict:
+def train_with_prepare(level: str, dtype: torch.dtype, accumulation: int = 1, overflow: bool = False) -> dict:
+    """overflow: rank 1's input gets an inf at step OVERFLOW_STEP; every rank skips, each replays its own batch."""
     the_plugin = plugin()
     accelerator = fsdp_accelerator(the_plugin, accumulation)
     data = dataset(accumulation)
@@ -192,8 +207,12 @@ def train_with_prepare(level: str, dtype: torch.dtype, accumulation: int = 1) ->
         prepared, optimizer, loader = amp_accelerate.prepare(
             accelerator, model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE),
             DataLoader(data, batch_size=PER_RANK_BATCH), level=level, dtype=dtype, scaler=scaler)
-    recorder, skipped = ProfiledDtypes(), []
+    recorder, skipped, scales, report, messages = ProfiledDtypes(), [], [], None, Messages()
+    logging.getLogger("amp_compiler.accelerate").addHandler(messages)
     for micro, (x, y) in enumerate(loader):
+        if overflow and micro == OVERFLOW_STEP and accelerator.process_index == 1:
+            x = x.clone()
+            x[0, 0] = float("inf")
         with accelerator.accumulate(prepared):
             profiled = micro == len(loader) - 1   # graphs made by then: the profile holds no tracing
             if profiled:
@@ -204,15 +223,23 @@ def train_with_prepare(level: str, dtype: torch.dtype, accumulation: int = 1) ->
             optimizer.step()
             if accelerator.sync_gradients:
                 skipped.append(bool(optimizer.step_was_skipped))
+                scales.append(scaler.get_scale() if scaler is not None else None)
+                if optimizer.step_was_skipped:   # on every rank: the replay's all-gathers are collectives
+                    report = amp_accelerate.explain_overflow(
+                        accelerator, prepared, lambda: nn.functional.cross_entropy(prepared(x).float(), y))
             optimizer.zero_grad()
+    logging.getLogger("amp_compiler.accelerate").removeHandler(messages)
     return {**sharded_facts(model, spy), "dropped_to": accelerator.dropped_to,
             "distributed_type": str(accelerator.distributed_type), "same_object": prepared is model,
             "plugin_policy_after": policy_dict(the_plugin.mixed_precision_policy),
             "matmul_dtypes": sorted(str(d) for d in recorder.input_dtypes(*MATMULS)),
             "matmul_calls": sum(len(recorder.calls.get(op, ())) for op in MATMULS),
             "norm_dtypes": sorted(str(d) for d in recorder.input_dtypes("native_layer_norm")),
-            "skipped": skipped, "start": flat(fresh_net()), "params": flat(model),
-            **references(level, dtype, global_batches(data, accumulation))}
+            "skipped": skipped, "scales": scales, "messages": messages.lines,
+            "report_module": None if report is None else (report.forward or report.backward or {}).get("module"),
+            "start": flat(fresh_net()), "params": flat(model),
+            **references(level, dtype, global_batches(data, accumulation),
+                         skipped=[step for step, was in enumerate(skipped) if was])}
 
 
 def train_with_trainer(level: str, dtype: torch.dtype) -> dict:
@@ -252,6 +279,7 @@ CONFIGURATIONS = {
     "prepare bf16 O1": lambda: train_with_prepare("O1", torch.bfloat16),
     "prepare fp16 O2, 2 micro-batches a step": lambda: train_with_prepare("O2", torch.float16, accumulation=2),
     "prepare bf16 O3": lambda: train_with_prepare("O3", torch.bfloat16),
+    "prepare fp16 O1, rank 1 overflows at step 1": lambda: train_with_prepare("O1", torch.float16, overflow=True),
     "AmpTrainer bf16 O1": lambda: train_with_trainer("O1", torch.bfloat16),
     "refused: bf16 gathers at O1": lambda: refusal(plugin(mixed_precision_policy=fsdp.MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32))),

@@ -2,7 +2,7 @@
 (TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2})), launched as users launch (torchrun
 --nproc-per-node 2, gloo on CPU): accelerate_fsdp_job.py runs each configuration in the same two ranks, with the
 accelerator state forced to what a GPU machine's holds (on CPU Accelerate drops the plugin for DDP); this judges
-what each rank measured. One launch, ~13 s wall on an idle 2-core machine."""
+what each rank measured. One launch, ~18 s wall on an idle 2-core machine."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,6 +21,8 @@ TRAINED = {   # configuration: (level, low dtype, tolerance against one process 
     "prepare fp16 O2, 2 micro-batches a step": ("O2", "torch.float16", 0.01),   # measured 1.1e-3
     "prepare bf16 O3": ("O3", "torch.bfloat16", 0.03),                          # measured 1.0e-2
     "AmpTrainer bf16 O1": ("O1", "torch.bfloat16", 0.07),                       # as prepare's: 4.9e-2
+    # step 1 skipped on both ranks; the reference skips it too. Measured 6.8e-4
+    "prepare fp16 O1, rank 1 overflows at step 1": ("O1", "torch.float16", 0.01),
 }
 LEVEL_POLICY = {"O1": {"param_dtype": "None", "reduce_dtype": "None"},   # fp32 gathers and reduction
                 "O2": {"param_dtype": "None", "reduce_dtype": "None"},
@@ -66,7 +68,19 @@ def test_sharded_training_meets_one_process(ranks, configuration):
     if configuration.startswith("prepare"):
         for rank in (first, second):
             assert rank["matmul_dtypes"] == [low] and rank["matmul_calls"] == 11   # 4 forward, 7 backward: all low
-            assert not any(rank["skipped"])
+            assert rank["skipped"] == [False, "overflows" in configuration, False, False]
+
+
+def test_one_ranks_overflow_skips_the_step_on_every_rank_that_rank_says_where_and_the_next_step_trains(ranks):
+    first, second = (rank["prepare fp16 O1, rank 1 overflows at step 1"] for rank in ranks)
+    for rank in (first, second):
+        # one skip, the scale halved once: FSDP2's replay reduces its gradients, so none is left unsharded to
+        # poison the next step (replayed under no_sync, the step after it was skipped too: 256, 128, 64)
+        assert rank["scales"] == [256.0, 128.0, 128.0, 128.0] and len(rank["messages"]) == 1, rank["messages"]
+    assert "on rank 1 of 2" in second["messages"][0] and "input of module '<model>'" in second["messages"][0]
+    assert second["report_module"] == ""   # the model's input: rank 1's batch held the inf
+    # rank 0 computed nothing non-finite; only FSDP's gradient reduction brought it rank 1's inf
+    assert first["report_module"] is None and "another rank" in first["messages"][0]
 
 
 def test_a_plugin_policy_against_the_level_and_fsdp1_are_refused_naming_the_fix(ranks):
