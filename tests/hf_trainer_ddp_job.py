@@ -6,9 +6,11 @@ test judges it.
 The reference of every configuration is the same conversion in one process on the global batch (what both ranks'
 batches together are at each optimizer step), computed here on each rank. The model's forward takes no **kwargs, so
 the Trainer neither passes num_items_in_batch nor multiplies the loss by the world size: its loss is the batch mean,
-divided by the accumulation steps, and DDP averages the ranks' gradients. The last configuration measures what
-happens when the forward does take **kwargs (the Trainer's model_accepts_loss_kwargs): no reference to meet, a
-ratio to report."""
+divided by the accumulation steps, and DDP averages the ranks' gradients. A clipped fp16 configuration meets one
+process clipped at the same norm, and logs the norms clipping measured (unscaled: a skipped unscale would log them
+times the scale); AmpCallback (the Trainer class unchanged) trains bf16 under the same DDP. The last configurations
+measure what happens when the forward does take **kwargs (the Trainer's model_accepts_loss_kwargs): no reference
+to meet, a ratio to report, and AmpTrainer's warning about it."""
 from __future__ import annotations
 
 import logging
@@ -22,10 +24,10 @@ import models.torchvision_ops  # noqa: E402,F401
 import torch  # noqa: E402
 from accelerate.state import AcceleratorState
 from torch import nn
-from transformers import TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import amp_compiler
-from amp_compiler.huggingface import AmpTrainer
+from amp_compiler.huggingface import AmpCallback, AmpTrainer
 from amp_testing import ProfiledDtypes
 from distributed_testing import write_rank_results
 
@@ -35,6 +37,8 @@ OVERFLOW_STEP = 1
 BLOW_UP = 2.0 ** 20   # rank 1's head weight times this: its logits leave fp16's range (exact to undo)
 MATMULS = ("addmm", "mm")
 LEARNING_RATE = 0.5
+MAX_GRAD_NORM = 0.4   # below every step's norm here (0.68-1.08): clipping acts on each step. At 0.5 one process's
+# fp16 step 2 sat on a kink (its gradient 6% off fp32 from the same parameters; DDP's 6e-4)
 
 
 class Net(nn.Module):
@@ -86,19 +90,23 @@ def flat(model) -> list[float]:
     return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
 
-def one_process(level: str, dtype: torch.dtype, batches: list[tuple], skipped=()) -> list[list[float]]:
+def one_process(level: str, dtype: torch.dtype, batches: list[tuple], skipped=(),
+                max_grad_norm: float = 0.0) -> tuple[list[list[float]], list[float]]:
     """The same conversion, one process, the global batch: plain SGD on the unscaled mean loss (fp16's scale is a
-    power of two here, so scaling changes no rounding short of an overflow). The parameters after each step."""
+    power of two here, so scaling changes no rounding short of an overflow), clipped at max_grad_norm (0: not).
+    The parameters after each step, and the norms clipping measured."""
     model = amp_compiler.convert(fresh_net(), level, inplace=True, dtype=dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    after_each = []
+    after_each, norms = [], []
     for step, (x, y) in enumerate(batches):
         if step not in skipped:
             model(x, y)["loss"].backward()
+            if max_grad_norm > 0:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
             optimizer.step()
             optimizer.zero_grad()
         after_each.append(flat(model))
-    return after_each
+    return after_each, norms
 
 
 class Watch(TrainerCallback):
@@ -124,7 +132,7 @@ class Watch(TrainerCallback):
         if state.global_step == STEPS - 1:
             self.recorder.__exit__(None, None, None)
         self.skipped.append(bool(self.trainer.accelerator.optimizer_step_was_skipped))
-        scaler = self.trainer.amp_scaler
+        scaler = getattr(self.trainer, "amp_scaler", None)   # a plain Trainer with AmpCallback has none
         self.scales.append(None if scaler is None else scaler.get_scale())
 
     def on_step_end(self, args, state, control, **kwargs):   # global_step is the step just done, plus one
@@ -144,17 +152,24 @@ class Messages(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def arguments(output_dir: str, accumulation: int) -> TrainingArguments:
+def arguments(output_dir: str, accumulation: int, max_grad_norm: float) -> TrainingArguments:
     return TrainingArguments(output_dir=output_dir, use_cpu=True, per_device_train_batch_size=PER_RANK_BATCH,
                              gradient_accumulation_steps=accumulation, max_steps=STEPS, optim="sgd",
-                             learning_rate=LEARNING_RATE, lr_scheduler_type="constant", max_grad_norm=0.0,
+                             learning_rate=LEARNING_RATE, lr_scheduler_type="constant", max_grad_norm=max_grad_norm,
                              train_sampling_strategy="sequential", save_strategy="no", report_to=[],
                              ddp_find_unused_parameters=False,   # True (the default here) walks the graph again
                              logging_steps=1, disable_tqdm=True, seed=0)
 
 
+def build_trainer(args: TrainingArguments, model, data, watch, level, dtype, scaler, callback: bool):
+    if callback:   # the Trainer class unchanged: bf16 only
+        return Trainer(model=model, args=args, train_dataset=data, callbacks=[watch, AmpCallback(level, dtype)])
+    return AmpTrainer(model=model, args=args, train_dataset=data, callbacks=[watch], amp_level=level,
+                      amp_dtype=dtype, amp_scaler=scaler)
+
+
 def train_under_ddp(level: str, dtype: torch.dtype, accumulation: int, overflow: bool = False,
-                    kind=Net) -> dict:
+                    kind=Net, max_grad_norm: float = 0.0, callback: bool = False) -> dict:
     AcceleratorState._reset_state(True)   # one Accelerator per Trainer; the process group stays
     data = examples(accumulation)
     model = fresh_net(kind)
@@ -165,16 +180,17 @@ def train_under_ddp(level: str, dtype: torch.dtype, accumulation: int, overflow:
     trainer_log = logging.getLogger("transformers.amp_compiler")   # transformers' loggers do not propagate
     trainer_log.addHandler(messages)
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer = AmpTrainer(model=model, args=arguments(output_dir, accumulation), train_dataset=data,
-                             callbacks=[watch], amp_level=level, amp_dtype=dtype, amp_scaler=scaler)
+        trainer = build_trainer(arguments(output_dir, accumulation, max_grad_norm), model, data, watch, level,
+                                dtype, scaler, callback)
         watch.trainer = trainer
         trainer.train()
     trainer_log.removeHandler(messages)
     explained = amp_compiler.explain(trainer.model)
-    reference = one_process(level, dtype, global_batches(data, accumulation),
-                            skipped=[step for step, was in enumerate(watch.skipped) if was])
-    report = trainer.amp_overflow_report
-    return {"wrapped": type(trainer.model_wrapped).__name__,
+    reference, reference_norms = one_process(level, dtype, global_batches(data, accumulation),
+                                             skipped=[step for step, was in enumerate(watch.skipped) if was],
+                                             max_grad_norm=max_grad_norm)
+    report = getattr(trainer, "amp_overflow_report", None)
+    return {"trainer": type(trainer).__name__, "wrapped": type(trainer.model_wrapped).__name__,
             "distributed_type": str(trainer.accelerator.distributed_type),
             "accepts_loss_kwargs": trainer.model_accepts_loss_kwargs,
             "explained_matmuls": sorted({row["dtype"] for row in explained.rows if row["family"] == "matmul"}),
@@ -186,6 +202,8 @@ def train_under_ddp(level: str, dtype: torch.dtype, accumulation: int, overflow:
             "skipped": watch.skipped, "scales": watch.scales, "unchanged_by_skip": watch.unchanged_by_skip,
             "report_module": None if report is None else (report.forward or report.backward or {}).get("module"),
             "messages": messages.lines, "start": flat(fresh_net()), "params": flat(model),
+            "grad_norms": [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry],
+            "reference_grad_norms": reference_norms,
             "after_first_step": watch.after_each[0], "reference": reference[-1],
             "reference_after_first_step": reference[0]}
 
@@ -194,6 +212,10 @@ CONFIGURATIONS = {
     "bf16 O1": dict(level="O1", dtype=torch.bfloat16, accumulation=1),
     "fp16 O2, 2 micro-batches a step": dict(level="O2", dtype=torch.float16, accumulation=2),
     "fp16 O1, rank 1 overflows at step 1": dict(level="O1", dtype=torch.float16, accumulation=1, overflow=True),
+    "fp16 O1, clipped at max_grad_norm": dict(level="O1", dtype=torch.float16, accumulation=1,
+                                              max_grad_norm=MAX_GRAD_NORM),
+    "bf16 O1, AmpCallback on the plain Trainer": dict(level="O1", dtype=torch.bfloat16, accumulation=1,
+                                                      callback=True),
     # measured, not met: transformers scales this loss by the world size and leaves it undivided by accumulation
     "bf16 O1, forward takes **kwargs, 2 micro-batches a step": dict(level="O1", dtype=torch.bfloat16,
                                                                      accumulation=2, kind=NetTakingKwargs),
