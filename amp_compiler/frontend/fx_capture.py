@@ -207,8 +207,6 @@ def restore_output_type(graph: fx.Graph, spec) -> bool:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     in_spec = torch.utils._pytree.tree_structure((tuple(range(len(placeholders))), {}))
     names = [n.target for n in placeholders]
-    if any(name.startswith("*") for name in names):
-        return False   # *args/**kwargs signatures keep fx's own codegen
     graph._codegen = _OwnOutputCodeGen(fx.graph._PyTreeInfo(names, in_spec, spec))
     output.args = (tuple(leaves),)
     return True
