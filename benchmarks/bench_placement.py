@@ -64,7 +64,10 @@ def row(model, inputs) -> dict:
     def autocast():
         with torch.autocast("cpu", dtype=LOW):
             model(*inputs)
-    results["autocast"] = _measure(autocast)
+    try:
+        results["autocast"] = _measure(autocast)
+    except Exception as error:  # noqa: BLE001 - say whose failure the row is
+        raise RuntimeError(f"autocast raises, amp-compiler ran: {str(error).splitlines()[0]}") from error
     return results
 
 
@@ -96,7 +99,7 @@ def print_table(names: list[str], zoo_only: bool) -> None:
         try:
             r = row(model, inputs)
         except Exception as error:  # noqa: BLE001 - one model's failure is a row, not the end of the table
-            print(f"{name:<24}  FAILED: {type(error).__name__}: {str(error).splitlines()[0][:90]}", flush=True)
+            print(f"{name:<24}  FAILED: {type(error).__name__}: {str(error).splitlines()[0][:130]}", flush=True)
             continue
         measured = [r[label] for label in ("painted", "greedy", "placed", "autocast")]
         totals = [total + nbytes for total, (_, nbytes) in zip(totals, measured)]
