@@ -4,7 +4,9 @@ another in the same ranks; each rank writes what it measured (RESULTS/rank{R}.js
 
 The reference of every configuration is the same conversion in one process on the global batch (what both ranks'
 batches together are at each optimizer step), computed here on each rank: DDP may change only the order of the
-gradient sums and the matmuls' row counts."""
+gradient sums and the matmuls' row counts. The clipped configuration also returns the norms
+`accelerator.clip_grad_norm_` measured: unscaled, they are one process's (a skipped unscale would return them times
+the loss scale)."""
 from __future__ import annotations
 
 import logging
@@ -26,6 +28,7 @@ STEPS = 4
 OVERFLOW_STEP = 1
 BLOW_UP = 2.0 ** 20   # rank 1's head weight times this: its logits leave fp16's range (exact to undo)
 MATMULS = ("addmm", "mm")
+MAX_GRAD_NORM = 0.4   # below every step's norm here (0.68-1.08, fp16 O1): clipping acts on each step
 
 
 class Net(nn.Module):
@@ -68,18 +71,23 @@ def flat(model) -> list[float]:
     return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
 
-def one_process(level: str, dtype: torch.dtype, batches: list[tuple], skipped=()) -> list[float]:
+def one_process(level: str, dtype: torch.dtype, batches: list[tuple], skipped=(),
+                max_grad_norm: float = 0.0) -> tuple[list[float], list[float]]:
     """The same conversion, one process, the global batch: plain SGD on the unscaled loss (fp16's scale is a power
-    of two here, so scaling changes no rounding short of an overflow)."""
+    of two here, so scaling changes no rounding short of an overflow), clipped at max_grad_norm (0: not). The
+    parameters at the end, and the norms clipping measured."""
     model = amp_compiler.convert(fresh_net(), level, inplace=True, dtype=dtype)
     optimizer = sgd(model)
+    norms = []
     for step, (x, y) in enumerate(batches):
         if step in skipped:
             continue
         loss_of(model, x, y).backward()
+        if max_grad_norm > 0:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
         optimizer.step()
         optimizer.zero_grad()
-    return flat(model)
+    return flat(model), norms
 
 
 def fresh_accelerator(**options) -> Accelerator:
@@ -96,7 +104,8 @@ class Messages(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def train_under_ddp(level: str, dtype: torch.dtype, accumulation: int, overflow: bool = False) -> dict:
+def train_under_ddp(level: str, dtype: torch.dtype, accumulation: int, overflow: bool = False,
+                    max_grad_norm: float = 0.0) -> dict:
     accelerator = fresh_accelerator(gradient_accumulation_steps=accumulation)
     data = dataset(accumulation)
     model = fresh_net()
@@ -107,7 +116,7 @@ def train_under_ddp(level: str, dtype: torch.dtype, accumulation: int, overflow:
     rank = accelerator.process_index
     recorder, messages = ProfiledDtypes(), Messages()
     logging.getLogger("amp_compiler.accelerate").addHandler(messages)
-    skipped, scales, report, unchanged_by_skip = [], [], None, None
+    skipped, scales, report, unchanged_by_skip, grad_norms = [], [], None, None, []
     for micro, (x, y) in enumerate(loader):
         step = micro // accumulation
         at_overflow = overflow and step == OVERFLOW_STEP
@@ -123,6 +132,8 @@ def train_under_ddp(level: str, dtype: torch.dtype, accumulation: int, overflow:
             accelerator.backward(loss_of(prepared, x, y))
             if profiled:
                 recorder.__exit__(None, None, None)
+            if max_grad_norm > 0 and accelerator.sync_gradients:   # unscales first (amp_compiler's scaler)
+                grad_norms.append(float(accelerator.clip_grad_norm_(prepared.parameters(), max_grad_norm)))
             optimizer.step()
             if accelerator.sync_gradients:
                 skipped.append(bool(optimizer.step_was_skipped))
@@ -135,15 +146,16 @@ def train_under_ddp(level: str, dtype: torch.dtype, accumulation: int, overflow:
         if at_overflow:
             unchanged_by_skip = flat(model) == before   # every rank skipped rank 1's inf
     logging.getLogger("amp_compiler.accelerate").removeHandler(messages)
-    reference = one_process(level, dtype, global_batches(data, accumulation),
-                            skipped=[step for step, was in enumerate(skipped) if was])
+    reference, reference_norms = one_process(level, dtype, global_batches(data, accumulation),
+                                             skipped=[step for step, was in enumerate(skipped) if was],
+                                             max_grad_norm=max_grad_norm)
     return {"wrapped": type(prepared).__name__, "distributed_type": str(accelerator.distributed_type),
             "matmul_dtypes": sorted(str(d) for d in recorder.input_dtypes(*MATMULS)),
             "matmul_calls": sum(len(recorder.calls.get(op, ())) for op in MATMULS),
             "norm_dtypes": sorted(str(d) for d in recorder.input_dtypes("native_layer_norm")),
             "skipped": skipped, "scales": scales, "unchanged_by_skip": unchanged_by_skip,
             "report_module": None if report is None else (report.forward or report.backward or {}).get("module"),
-            "messages": messages.lines,
+            "messages": messages.lines, "grad_norms": grad_norms, "reference_grad_norms": reference_norms,
             "start": flat(fresh_net()), "params": flat(model), "reference": reference}
 
 
@@ -151,6 +163,7 @@ CONFIGURATIONS = {
     "bf16 O1": dict(level="O1", dtype=torch.bfloat16, accumulation=1),
     "fp16 O2, 2 micro-batches a step": dict(level="O2", dtype=torch.float16, accumulation=2),
     "fp16 O1, rank 1 overflows at step 1": dict(level="O1", dtype=torch.float16, accumulation=1, overflow=True),
+    "fp16 O1, clip_grad_norm_": dict(level="O1", dtype=torch.float16, accumulation=1, max_grad_norm=MAX_GRAD_NORM),
 }
 
 
