@@ -14,6 +14,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # needs its missing op schemas defined first (see models/torchvision_ops.py).
 import models.torchvision_ops  # noqa: E402,F401
 
+# tests/ mirrors the package in folders; a test module that imports another's helpers does so by its basename
+# (unique across folders, as pytest's default import mode requires), so every folder is on sys.path, last.
+_TESTS = Path(__file__).resolve().parent
+sys.path.extend(str(folder) for folder in sorted(_TESTS.iterdir())
+                if folder.is_dir() and folder.name not in ("golden", "__pycache__") and str(folder) not in sys.path)
+
 # Markers, so the inner loop skips what is slow (README, "Tests": the fast command). CI runs everything.
 # No test or file is named here: a mark is either written on the test itself or found from what the test uses,
 # so renaming a test or a file keeps its marks.

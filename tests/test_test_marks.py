@@ -41,9 +41,9 @@ def test_conftest_names_no_test_and_no_file(conftest):
 
 
 def test_file_marks_reads_the_files_own_pytestmark(conftest, tmp_path):
-    assert "slow" in conftest.file_marks(TESTS / "test_zoo_levels.py")
-    assert conftest.file_marks(TESTS / "test_real_models.py") == {"real_models"}
-    assert conftest.file_marks(TESTS / "test_levels.py") == frozenset()   # single tests marked, not the file
+    assert "slow" in conftest.file_marks(TESTS / "conformance" / "test_zoo_levels.py")
+    assert conftest.file_marks(TESTS / "conformance" / "test_real_models.py") == {"real_models"}
+    assert conftest.file_marks(TESTS / "passes" / "test_policy_levels.py") == frozenset()   # single tests marked, not the file
     forms = {
         "pytestmark = pytest.mark.slow\n": {"slow"},
         "pytestmark = [pytest.mark.slow, pytest.mark.real_models]\n": {"slow", "real_models"},
@@ -61,14 +61,14 @@ def test_file_marks_reads_the_files_own_pytestmark(conftest, tmp_path):
 
 def test_the_fast_run_skips_importing_exactly_the_files_marked_slow_in_their_source(conftest):
     slow = [path for path in _test_files() if "slow" in conftest.file_marks(path)]
-    assert TESTS / "test_zoo_levels.py" in slow and TESTS / "test_onnx_node_tests.py" in slow
+    assert TESTS / "conformance" / "test_zoo_levels.py" in slow and TESTS / "onnx" / "test_onnx_node_tests.py" in slow
     for path in _test_files():
         skipped = conftest.pytest_ignore_collect(path, Options("not slow"))
         assert skipped is (True if path in slow else None), path.name
         assert conftest.pytest_ignore_collect(path, Options("slow")) is None, path.name
         assert conftest.pytest_ignore_collect(path, Options("")) is None, path.name
-    assert conftest.pytest_ignore_collect(TESTS / "test_real_models.py", Options("not real_models")) is True
-    assert conftest.pytest_ignore_collect(TESTS / "test_real_models.py", Options("not slow or real_models")) is None
+    assert conftest.pytest_ignore_collect(TESTS / "conformance" / "test_real_models.py", Options("not real_models")) is True
+    assert conftest.pytest_ignore_collect(TESTS / "conformance" / "test_real_models.py", Options("not slow or real_models")) is None
 
 
 @pytest.mark.slow

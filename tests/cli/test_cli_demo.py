@@ -9,7 +9,7 @@ import pytest
 
 from amp_compiler.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_converts_reports_compares_and_trains(capsys, tmp_path):

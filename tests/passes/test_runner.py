@@ -80,11 +80,11 @@ def test_every_pass_keeps_the_invariants_on_fx_and_onnx(level, tmp_path):
 
 
 def test_passes_readme_shows_the_pipelines_as_printed():
-    readme = (Path(__file__).resolve().parents[1] / "passes" / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "passes" / "README.md").read_text()
     for pipeline in (FX_PIPELINE, ONNX_PIPELINE, EXPORT_PIPELINE):
         assert str(pipeline) in readme, f"passes/README.md lacks the {pipeline.name} pipeline's listing"
     for doc in ("passes/README.md", "docs/how-it-works.md"):   # the listings are generated: none is stale
-        text = (Path(__file__).resolve().parents[1] / doc).read_text()
+        text = (Path(__file__).resolve().parents[2] / doc).read_text()
         assert with_listings_updated(text) == text, f"run: amp-compiler pipelines --update {doc}"
 
 
@@ -159,7 +159,7 @@ def _declared_writers() -> dict[str, set[str]]:
 
 
 def test_node_facts_names_the_passes_that_declare_each_fact():
-    source = (Path(__file__).resolve().parents[1] / "passes" / "node_facts.py").read_text()
+    source = (Path(__file__).resolve().parents[2] / "passes" / "node_facts.py").read_text()
     documented, fact = {}, None
     table = source[source.index("NodeFacts = TypedDict"):source.index("}, total=False)")]
     for line in table.splitlines()[1:]:

@@ -31,7 +31,7 @@ LEVEL_POLICY = {"O1": {"param_dtype": "None", "reduce_dtype": "None"},   # fp32 
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_with_torchrun(Path(__file__).parent / "accelerate_fsdp_job.py", timeout=300)
+    return run_with_torchrun(Path(__file__).resolve().parents[1] / "accelerate_fsdp_job.py", timeout=300)
 
 
 @pytest.mark.parametrize("configuration", list(TRAINED))

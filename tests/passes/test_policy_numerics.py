@@ -12,7 +12,7 @@ import torch
 from amp_compiler.passes.policy import numerics
 from amp_compiler.passes.policy.op_policy import POLICY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted([*ROOT.glob("passes/**/*.py"), *ROOT.glob("amp_compiler/**/*.py")])
 NUMERICS = ROOT / "passes" / "policy" / "numerics.py"
 # Sets of canonical op names that are no precision decision, with why.
