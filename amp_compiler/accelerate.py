@@ -64,7 +64,7 @@ from torch import nn
 
 import amp_compiler
 from amp_compiler.converted import compiled_record
-from amp_compiler.dynamo.compile import CompiledForward, _hand_over_histories, compile_per_block, \
+from amp_compiler.dynamo.compile import CompiledForward, hand_over_histories, compile_per_block, \
     fsdp_module_type, fsdp_sharded_submodule, history_stores, restore_compiled
 from amp_compiler.train.fsdp_policy import level_mp_policy, policy_contradiction
 from amp_compiler.train.loss_scale import LossScaleManager
@@ -114,12 +114,6 @@ def check_distributed(accelerator) -> None:
                              "FullyShardedDataParallelPlugin(fsdp_version=2) (TrainingArguments: "
                              "fsdp_config={\"version\": 2}), or DDP")
         shard_with_level_policy(accelerator)
-
-
-def refuse_deepspeed(accelerator) -> None:
-    """check_distributed under the name amp_compiler.huggingface imports (where the Trainer builds its
-    accelerator): besides refusing DeepSpeed it refuses FSDP1 and makes FSDP2's prepare use the level's policy."""
-    check_distributed(accelerator)
 
 
 # -- FSDP2 (fsdp_version=2) -----------------------------------------------------------------------------------
@@ -177,7 +171,7 @@ def compile_sharded_model(model: nn.Module, gathers_low: bool) -> None:
         compile_per_block(model, forward.config, forward.options,
                           note=f"compiled per block: its submodule {fsdp_sharded_submodule(model)} is sharded with "
                                "FSDP2 (fully_shard) by Accelerate")
-        _hand_over_histories(histories, history_stores(model))
+        hand_over_histories(histories, history_stores(model))
     if gathers_low:   # O3: the graphs see bf16/fp16 unsharded weights on purpose, the fp32 shards stay the masters
         for compiled in compiled_record(model).forwards(model):
             compiled.weights_cast_low = True

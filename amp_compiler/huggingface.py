@@ -47,8 +47,8 @@ import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import unwrap_peft_model
 
-from amp_compiler.accelerate import (checked_scaler, convert_once, install_scaler, locate_and_record,
-                                     refuse_builtin_mixed_precision, refuse_deepspeed)
+from amp_compiler.accelerate import (check_distributed, checked_scaler, convert_once, install_scaler,
+                                     locate_and_record, refuse_builtin_mixed_precision, replay_gradient_sync)
 from amp_compiler.train.loss_scale import LossScaleManager
 from amp_compiler.train.overflow_report import replay_rng, rng_state
 
@@ -82,7 +82,7 @@ class AmpTrainerMixin:
         super().create_accelerator_and_postprocess()   # also called again by auto_find_batch_size
         refuse_builtin_mixed_precision(self.accelerator.mixed_precision,
                                        "TrainingArguments(bf16=False, fp16=False) with AmpTrainer")
-        refuse_deepspeed(self.accelerator)
+        check_distributed(self.accelerator)   # DeepSpeed and FSDP1 refused; FSDP2 with the level's policy
         if self.amp_scaler is not None:
             install_scaler(self.accelerator, self.amp_scaler)
 
@@ -111,8 +111,8 @@ class AmpTrainerMixin:
         model, inputs, num_items_in_batch, rng, scale = self._amp_last_micro_batch
         self._amp_last_micro_batch = None
 
-        def replay():   # the Trainer's own training_step, scaled as the skipped step was, with no all-reduce
-            with replay_rng(rng), _scaled_by(self.accelerator, scale), self.accelerator.no_sync(model):
+        def replay():   # the Trainer's own training_step, scaled as the skipped step was (DDP: no all-reduce)
+            with replay_rng(rng), _scaled_by(self.accelerator, scale), replay_gradient_sync(self.accelerator, model):
                 super(AmpTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
         self.amp_overflow_report = locate_and_record(self.accelerator.unwrap_model(model), replay,
                                                      self.amp_scaler, log)

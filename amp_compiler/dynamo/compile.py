@@ -180,11 +180,11 @@ def _sharded_call(forward: CompiledForward, sharded: str, args: tuple, kwargs: d
     restore_compiled(model)
     compile_per_block(model, forward.config, forward.options,
                       note=f"compiled per block: its submodule {sharded} is sharded with FSDP2 (fully_shard)")
-    _hand_over_histories(histories, history_stores(model))
+    hand_over_histories(histories, history_stores(model))
     return model.forward(*args, **kwargs)   # this call's hooks (FSDP's root ones) ran already: the forward alone
 
 
-def _hand_over_histories(tensors: dict, stores: list) -> None:
+def hand_over_histories(tensors: dict, stores: list) -> None:
     """The whole model's fp8 amax histories (loaded before its first sharded call, or recorded before sharding)
     to the per-block store holding each one's module: else the blocks' graphs would start from empty histories."""
     for prefix, store in stores:
