@@ -20,7 +20,7 @@ TOLERANCE = {"bf16 O1": 0.02, "fp16 O2, 2 micro-batches a step": 0.01, "fp16 O1,
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_with_torchrun(Path(__file__).parent / "accelerate_ddp_job.py", timeout=300)
+    return run_with_torchrun(Path(__file__).parents[1] / "accelerate_ddp_job.py", timeout=300)
 
 
 @pytest.mark.parametrize("configuration", list(TOLERANCE))

@@ -26,7 +26,7 @@ TOLERANCE = {"bf16 O1": 0.02, "fp16 O2, 2 micro-batches a step": 0.01, OVERFLOW:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_with_torchrun(Path(__file__).parent / "hf_trainer_ddp_job.py", timeout=300)
+    return run_with_torchrun(Path(__file__).parents[1] / "hf_trainer_ddp_job.py", timeout=300)
 
 
 def off_one_process(rank: dict, after: str = "params", reference: str = "reference") -> tuple[float, float]:
