@@ -47,7 +47,7 @@ weights fp32, an fp16 reduction) is refused, naming it. The plugin is left as gi
 compiled per block at once (dynamo.compile.compile_per_block), as its first sharded call would be. FSDP1
 (fsdp_version=1) is refused. On CPU Accelerate drops the plugin and wraps in DDP (MULTI_CPU): the suite runs the
 FSDP2 path on 2 gloo ranks with the accelerator state set to what a GPU machine's holds
-(tests/test_accelerate_fsdp.py: bf16 O1 and O3, fp16 O2 with the scaler and gradient accumulation, an fp16
+(tests/integrations/test_accelerate_fsdp.py: bf16 O1 and O3, fp16 O2 with the scaler and gradient accumulation, an fp16
 overflow on one rank); on GPUs it runs only through `python benchmarks/gpu_fsdp.py`. One rank's inf skips the step on every rank; explain_overflow
 (on every rank) replays with FSDP2's gradient reduction, since gradients left unsynced stay unsharded past zero_grad
 and would poison the next step; a rank that computed nothing non-finite says the overflow came from another rank.

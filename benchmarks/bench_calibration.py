@@ -15,7 +15,7 @@ finite. The CPU provider runs many fp16 ops in fp32 (it casts around kernels it 
 overflow can stay invisible there; "finite (fp16 math)" runs the file in onnx.reference (numpy, true
 fp16 arithmetic) where the model is small enough, "-" otherwise.
 
-Models: a planted overflow (Linear -> x * 400 * 250 -> Linear, tests/test_calibration.py's Planted), the
+Models: a planted overflow (Linear -> x * 400 * 250 -> Linear, tests/convert/test_calibration.py's Planted), the
 zoo (models/), and real models (tests/real_models.py). Samples: the model's example inputs with float
 inputs redrawn (same mean/std) and integer inputs redrawn in their observed range, seeded; held-out
 inputs are drawn the same way with another seed.
@@ -53,7 +53,7 @@ REFERENCE_EVALUATOR_NODES = 400   # onnx.reference is pure numpy: larger graphs 
 
 
 class Planted(nn.Module):
-    """An activation scaled by 1e5 between two matmuls (as tests/test_calibration.py builds it on fx)."""
+    """An activation scaled by 1e5 between two matmuls (as tests/convert/test_calibration.py builds it on fx)."""
 
     def __init__(self):
         super().__init__()

@@ -12,7 +12,7 @@ output's largest magnitude and its relative (Frobenius) error, the relative erro
 of the task's loss (one batch, eval mode so dropout does not differ), and the loss itself against fp32's.
 Then training: the mean loss of the last 10 of --steps Adam steps (lr 1e-3, a fresh model of the same seed,
 the same batches and dropout stream per recipe) and its gap to bf16 O1's, in loss and in % of bf16's (a loss
-near 0, BERT's, makes the % large: read the difference there). tests/test_fp8_training.py asserts the 200-step
+near 0, BERT's, makes the % large: read the difference there). tests/fp8/test_fp8_training.py asserts the 200-step
 figures for GPT and BERT. On a busy machine run with OMP_NUM_THREADS=1: small models gain nothing from threads.
 The CPU runs torch._scaled_mm correctly but slowly (oneDNN or an emulation): no speed here; speed needs an
 fp8 GPU (H100/H200): benchmarks/gpu.py's fp8 section.

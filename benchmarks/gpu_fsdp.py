@@ -26,7 +26,7 @@ torch.cuda.max_memory_allocated over the run; "-" on CPU), off fp32 (|params - f
 parameters after STEPS steps against the unsharded fp32 run in one process on the global batch, i.e. both ranks'
 batches at each step), matmuls low (mm/addmm/bmm calls of rank 0's last step whose inputs are bf16/fp16, from
 torch.profiler). On CPU Accelerate drops the FSDP plugin for DDP: the dry run sets the accelerator state to what a
-GPU machine's holds (as tests/test_accelerate_fsdp.py does), and says so in the setup's name. A time budget
+GPU machine's holds (as tests/integrations/test_accelerate_fsdp.py does), and says so in the setup's name. A time budget
 (--budget-s) skips what is left, saying so.
 """
 from __future__ import annotations

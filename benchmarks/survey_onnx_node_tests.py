@@ -1,5 +1,5 @@
 """convert_onnx on every float case of the ONNX backend node tests (generated from the installed onnx
-package), with the checks of tests/test_onnx_node_tests.py: checker, ONNX Runtime run, fp16 tolerance,
+package), with the checks of tests/onnx/test_onnx_node_tests.py: checker, ONNX Runtime run, fp16 tolerance,
 exact ints, byte-identical re-conversion, nothing clipped. Prints one row per level and what failed.
 
     python benchmarks/survey_onnx_node_tests.py [--levels O1 O3] [--weights] [--match resize]

@@ -12,7 +12,7 @@ from typing import Any, TypedDict
 import torch
 
 NodeFacts = TypedDict("NodeFacts", {
-    # "key": type,  # the passes whose Pass(writes=...) name it (fx / onnx: that IR only; tests/test_runner.py
+    # "key": type,  # the passes whose Pass(writes=...) name it (fx / onnx: that IR only; tests/passes/test_runner.py
     #                 checks these lists against the pipelines): what it means
     "op": str,                # canonicalize, lower_leaf_modules (fx), insert_casts (fx), cast_after_layout_ops (fx),
                               # fused_attention_masks (fx), lower_fp8_matmuls (fx): the canonical op name of op_policy

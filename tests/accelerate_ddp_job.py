@@ -1,4 +1,4 @@
-"""Launched by tests/test_accelerate_ddp.py as users launch: `torchrun --nproc-per-node 2 accelerate_ddp_job.py
+"""Launched by tests/integrations/test_accelerate_ddp.py as users launch: `torchrun --nproc-per-node 2 accelerate_ddp_job.py
 RESULTS`. amp_compiler.accelerate.prepare under Accelerate's DDP (MULTI_CPU, gloo), one configuration after
 another in the same ranks; each rank writes what it measured (RESULTS/rank{R}.json) and the test judges it.
 

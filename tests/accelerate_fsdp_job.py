@@ -1,4 +1,4 @@
-"""Launched by tests/test_accelerate_fsdp.py as users launch: `torchrun --nproc-per-node 2 accelerate_fsdp_job.py
+"""Launched by tests/integrations/test_accelerate_fsdp.py as users launch: `torchrun --nproc-per-node 2 accelerate_fsdp_job.py
 RESULTS`. Accelerate's FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)) under amp_compiler.accelerate.prepare
 and under AmpTrainer (TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2})), one configuration after
 another in the same two gloo ranks; each rank writes what it measured (RESULTS/rank{R}.json), the test judges it.

@@ -1,4 +1,4 @@
-"""Launched by tests/test_hf_trainer_ddp.py as users launch: `torchrun --nproc-per-node 2 hf_trainer_ddp_job.py
+"""Launched by tests/integrations/test_hf_trainer_ddp.py as users launch: `torchrun --nproc-per-node 2 hf_trainer_ddp_job.py
 RESULTS`. amp_compiler.huggingface.AmpTrainer under the Trainer's own DDP (Accelerate MULTI_CPU, gloo), one
 configuration after another in the same ranks; each rank writes what it measured (RESULTS/rank{R}.json) and the
 test judges it.

@@ -1,4 +1,4 @@
-"""Launched by tests/test_lightning_model_parallel.py as a Lightning user launches: `python
+"""Launched by tests/integrations/test_lightning_model_parallel.py as a Lightning user launches: `python
 tests/lightning_model_parallel_job.py OUT`, with Trainer(accelerator="cpu", devices=2,
 strategy=ModelParallelStrategy(...)); Lightning's subprocess launcher starts rank 1 (this script again).
 

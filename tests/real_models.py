@@ -328,7 +328,7 @@ def _decisive_routers(model: nn.Module) -> nn.Module:
     """Router weights with std 1 (router logits of a few units, as trained routers give). Random init (std
     0.02) routes every token almost uniformly: the 2nd and 3rd experts' logits 1e-4 apart, so a rounding
     anywhere upstream, autocast's included, sends some tokens to other experts by chance, and a
-    comparison of errors compares coin tosses (tests/test_moe.py checks the routing itself)."""
+    comparison of errors compares coin tosses (tests/convert/test_moe.py checks the routing itself)."""
     for layer in model.model.layers:
         nn.init.normal_(layer.mlp.gate.weight, std=1.0)
     return model

@@ -4,7 +4,7 @@ The float16 training steps use a DynamicLossScaleManager at its own default star
 scaled gradients overflow float16, so the demo shows the scale backing off (each step's line says so) before
 the steps apply. build_train_network's default starts at 2**16, where the zoo's small models never overflow.
 
-demo_training is the demo's training loop (also called by tests/test_train_network.py); it lives beside
+demo_training is the demo's training loop (also called by tests/train/test_train_network.py); it lives beside
 the command, not in amp_compiler/train/, which holds what users train with. torch is imported by the
 handler, not here: the parser is built without it.
 """

@@ -6,7 +6,7 @@ attribute mutation of that object, its value a node of the graph handed to the b
 fp32 model's dtype), the cache costs twice autocast's bytes and each decode step casts all of it back to bf16 for
 attention. What this relies on (torch 2.13): the backend runs while dynamo's InstructionTranslator is current, and
 its output graph's side effects name each mutated object with its stored values' proxies (checked by
-tests/test_dynamo_capture.py's decode test). An encoder-decoder's cache stays fp32 (backend.py): its cross-attention
+tests/dynamo/test_dynamo_capture.py's decode test). An encoder-decoder's cache stays fp32 (backend.py): its cross-attention
 layers are read back as stored by the next step's own code, which dynamo traces as written (T5: matmul of an fp32
 query with a bf16 key failed there).
 """

@@ -2,7 +2,7 @@
 
 Dynamo inlines modules: a weight is a placeholder, not a get_attr, and each node's nn_module_stack names its module
 from the compiled frame's root ("L['self'].model.layers.0.mlp" for model.compile(), "L['args'][0]..." for
-torch.compile(model)). What this relies on (torch 2.13, checked by tests/test_dynamo_capture.py):
+torch.compile(model)). What this relies on (torch 2.13, checked by tests/dynamo/test_dynamo_capture.py):
 - the backend's example inputs are the real tensors, in placeholder order, parameters as nn.Parameter: a parameter
   or buffer of the user's model is found by identity (the exact answer when the model is known);
 - else a placeholder's name spells its source: l_self_modules_fc_parameters_weight_ is self.fc.weight (dynamo's

@@ -6,7 +6,7 @@
 This is DCP's own recipe (get_state_dict -> dcp.save; get_state_dict -> dcp.load -> set_state_dict) plus what a
 converted model needs besides:
   - fp8 delayed-scaling amax histories are each rank's own: a rank records the amaxes of its own batches (as under
-    DDP, tests/test_fp8_ddp.py). DCP takes a tensor that is not a DTensor for a replicated one and saves one copy
+    DDP, tests/fp8/test_fp8_ddp.py). DCP takes a tensor that is not a DTensor for a replicated one and saves one copy
     (rank 0's), so every rank would resume from rank 0's histories. Here each rank's are saved apart, under
     fp8_histories.rank<r>.<its state_dict key>, and each rank loads its own; a checkpoint written by another number
     of ranks is refused.

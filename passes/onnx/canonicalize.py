@@ -20,7 +20,7 @@ from amp_compiler.passes.onnx.spec import subgraphs_of
 from amp_compiler.passes.runner import PassResult
 
 # Default-domain ONNX op type -> canonical op. Every name on the right is a key of passes.op_policy.POLICY
-# (tests/test_onnx_canonicalize.py checks it): no op list is copied here, only spellings.
+# (tests/passes/test_onnx_canonicalize.py checks it): no op list is copied here, only spellings.
 ONNX_OPS: dict[str, str] = {
     # dense math
     "MatMul": "matmul", "Gemm": "linear", "Einsum": "einsum", "Attention": "scaled_dot_product_attention",

@@ -56,7 +56,7 @@ from amp_compiler.passes.runner import PassResult
 # opset 21 names it by an attribute (output_dtype), which this pass uses: onnxruntime 1.31's QDQ propagation
 # (graph optimization level basic and up) copies a QuantizeLinear past the Reshape its MatMulAddFusion inserts
 # without the zero point, so with a static scale a float8 Q became a uint8 one and the output was silently
-# wrong (0.71 relative error on tests/test_onnx_fp8.py's model; with output_dtype it is fp8's 0.06).
+# wrong (0.71 relative error on tests/fp8/test_onnx_fp8.py's model; with output_dtype it is fp8's 0.06).
 FP8_OPSET = 21
 _MARKER_CALL = re.compile(r"args = \((.*)\), kwargs = ")
 E4M3_MAX = FP8_FORMATS[E4M3]   # 448

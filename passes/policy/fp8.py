@@ -131,7 +131,7 @@ def power_of_two_scale(amax: float, fp8_format: str = E4M3, margin: int = 0) -> 
     """The quantizing scale for a tensor whose largest magnitude is `amax`: the largest power of two s with
     amax * s <= FP8_FORMATS[fp8_format], divided by 2**margin; 0.0 when amax is inf or NaN. The arithmetic of
     fp8_runtime.current_scale (float32: amax rounded to it and floored at AMAX_FLOOR, the headroom divided in
-    it), for one amax in plain Python: the same scale to the bit (tests/test_fp8.py)."""
+    it), for one amax in plain Python: the same scale to the bit (tests/fp8/test_fp8.py)."""
     amax = _float32(amax)
     if not math.isfinite(amax):
         return 0.0

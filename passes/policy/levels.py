@@ -28,7 +28,7 @@ class Level:
     loss_scaling: str | None            # build_train_network's default manager: "dynamic" (fp16; bf16 scale 1) or None
     # Norms that run as mixed kernels with keep_batchnorm_fp32: low activations in, fp32 weights and statistics,
     # fp32 accumulation, painted "allow" (a conv -> bn -> relu -> conv chain needs no cast pair). O1 takes batch
-    # and group norm only: tests/test_mixed_norms.py finds them as close to fp32 as the norm between two casts,
+    # and group norm only: tests/convert/test_mixed_norms.py finds them as close to fp32 as the norm between two casts,
     # but not a post-norm LayerNorm, whose output is the residual stream (HF BERT at O1 fp16: 100x autocast's
     # error). ONNX has no mixed LayerNormalization: its scale follows the data.
     mixed_norms: tuple[str, ...] = ()

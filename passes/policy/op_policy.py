@@ -161,7 +161,7 @@ BF16_OVERLAY = {
 
 # Ops a device has no low-precision kernel for: device type -> op -> (the low dtypes it lacks, why). Applied
 # (rules.py) after the level, so no level runs them low there; the user's own op lists still win.
-# tests/test_policy_coverage.py calls every op the table lets run low on CPU in each dtype to keep this true.
+# tests/passes/test_policy_kernel_coverage.py calls every op the table lets run low on CPU in each dtype to keep this true.
 def _no_kernel(dtypes: tuple[str, ...], reason: str, ops: str) -> dict[str, tuple[tuple[str, ...], str]]:
     return {op: (dtypes, reason) for op in ops.split()}
 

@@ -2,7 +2,7 @@
 
 A refactor must not change a decision or a line of generated code; a change meant to do so regenerates the
 record (python tests/golden/regenerate.py) and says why in its commit. The conformance models are compared
-in tests/test_real_models.py (test_decisions_and_code_unchanged), on the conversions that suite caches.
+in tests/conformance/test_real_models.py (test_decisions_and_code_unchanged), on the conversions that suite caches.
 """
 import pytest
 

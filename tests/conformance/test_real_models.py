@@ -289,7 +289,7 @@ def test_second_batch_size(name, config):
 @pytest.mark.parametrize("name, config", MODEL_CONFIGS)
 def test_decisions_and_code_unchanged(name, config):
     """The cached conversion decides and generates what tests/golden/ recorded (a change meant to differ
-    regenerates it: tests/golden/regenerate.py); the zoo's part is tests/test_no_behaviour_change.py."""
+    regenerates it: tests/golden/regenerate.py); the zoo's part is tests/conformance/test_no_behaviour_change.py."""
     try:
         conversion = converted(name, config)[1]
     except Exception as error:  # noqa: BLE001 - a conversion error is recorded too

@@ -1,5 +1,5 @@
 """A constant fp16 cannot hold (masked_fill(-1e9), a -1e9 added to scores): the conversion keeps the path
-of its value fp32 up to the first reader that no longer carries it (tests/test_constants_beyond_range.py);
+of its value fp32 up to the first reader that no longer carries it (tests/convert/test_constants_beyond_range.py);
 where the user forces a reader low anyway, it warns, explain() says so, compare() finds the node that turns
 it into inf/NaN."""
 import re

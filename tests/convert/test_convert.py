@@ -56,7 +56,7 @@ def test_o1_paints_by_the_policy_and_matches_fp32(net):
     assert painted["softmax"] == painted["layer_norm"] == {"fp32"}
     # A batch norm between low ops reads the low activations (mixed kernel: fp32 weights and statistics);
     # this one reads the fp32 layer norm's output, so it stays fp32 rather than cast it down
-    # (tests/test_mixed_norms.py). With keep_batchnorm_fp32=False every norm runs fp32 between casts.
+    # (tests/convert/test_mixed_norms.py). With keep_batchnorm_fp32=False every norm runs fp32 between casts.
     assert painted["batch_norm"] == {"fp32"}
     assert [r["rule"].startswith("infer: fed by fp32 op encoder_layers_1_norm") for r in explain(gm).rows
             if r["op"] == "batch_norm"] == [True]

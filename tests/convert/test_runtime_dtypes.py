@@ -31,7 +31,7 @@ def test_o1_runs_matmuls_low_softmax_losses_fp32_and_norms_with_fp32_weights(nam
     assert matmul_dtypes == {dtype}, f"matmul/conv inputs ran in {matmul_dtypes}"
     fragile = recorder.input_dtypes(*SOFTMAX_LOSS)
     assert fragile == {torch.float32}, f"softmax/loss inputs ran in {fragile}"
-    # Norms are mixed kernels at O1 (tests/test_mixed_norms.py): activations in their producer's dtype,
+    # Norms are mixed kernels at O1 (tests/convert/test_mixed_norms.py): activations in their producer's dtype,
     # weights and statistics always fp32.
     norm_calls = [dtypes for op in MIXED_NORMS for dtypes in recorder.calls.get(op, [])]
     assert all(set(d[1:]) <= {torch.float32} and d[0] in (dtype, torch.float32) for d in norm_calls), norm_calls

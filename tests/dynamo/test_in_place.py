@@ -3,7 +3,7 @@
 What the user keeps (class, methods, signature, state_dict, hooks, train/eval, Python state the forward reads),
 what runs (the same outputs and decisions as convert(), low at run time, training like fp32), and the
 conversion's life cycle (restore, converting again, deepcopy, torch.save, assign loads, example inputs,
-calibration). tests/test_in_place_dynamo.py has what only dynamo's capture does (graph breaks, recompile limits,
+calibration). tests/dynamo/test_in_place_dynamo.py has what only dynamo's capture does (graph breaks, recompile limits,
 generate, fallbacks).
 """
 from __future__ import annotations

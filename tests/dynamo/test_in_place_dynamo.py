@@ -1,5 +1,5 @@
 """convert(model, level, inplace=True): in-place conversion on TorchDynamo's capture, with the cases the retired
-parts capture ran as written or got wrong (tests/test_dynamo_capture.py covers amp_compiler.compile)."""
+parts capture ran as written or got wrong (tests/dynamo/test_dynamo_capture.py covers amp_compiler.compile)."""
 import copy
 
 import pytest

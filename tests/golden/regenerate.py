@@ -1,5 +1,5 @@
 """Regenerate tests/golden/decisions.json.gz: what convert() decides and generates on the zoo and the
-conformance models, read by tests/test_no_behaviour_change.py (zoo) and tests/test_real_models.py
+conformance models, read by tests/conformance/test_no_behaviour_change.py (zoo) and tests/conformance/test_real_models.py
 (test_decisions_and_code_unchanged).
 
     python tests/golden/regenerate.py            # about 10 minutes on 2 cores: 42 models x 3 configurations

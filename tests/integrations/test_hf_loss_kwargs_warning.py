@@ -1,7 +1,7 @@
 """AmpTrainer warns about the Trainer's loss-kwargs trap (amp_compiler/huggingface.py, loss_kwargs_trap): a forward
 taking **kwargs whose loss ignores num_items_in_batch steps (accumulation x world size) times what one process
 on the global batch steps. One process here, 2 micro-batches a step unless said; the trap under 2 ranks is
-tests/test_hf_trainer_ddp.py's strict xfail (measured 4.00x)."""
+tests/integrations/test_hf_trainer_ddp.py's strict xfail (measured 4.00x)."""
 from __future__ import annotations
 
 import logging
