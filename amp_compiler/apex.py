@@ -30,7 +30,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from amp_compiler.convert import convert
+from amp_compiler.convert_model import convert
 from amp_compiler.converted import compiled_record
 from amp_compiler.train.low_weights import MasterPair, MasterWeights, unscale_
 from amp_compiler.train.loss_scale import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager

@@ -43,7 +43,7 @@ def llama(layers: int):
 def timed_fx_pipeline(seconds: dict):
     """FX_PIPELINE with every pass timed into `seconds` (by pass name)."""
     import importlib
-    convert_module = importlib.import_module("amp_compiler.convert")   # the package's `convert` is the function
+    convert_module = importlib.import_module("amp_compiler.convert_model")
     pipelines = importlib.import_module("amp_compiler.passes.pipelines")
     pipeline = pipelines.FX_PIPELINE
 

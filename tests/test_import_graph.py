@@ -78,7 +78,7 @@ def test_passes_import_nothing_of_the_package_but_passes():
 def test_the_checks_see_the_imports_they_judge():
     """The reader resolves relative and function-local imports, and the package's own layering is visible."""
     graph = _graph()
-    assert graph.has_edge("amp_compiler.convert", "amp_compiler.dynamo.compile")   # convert(inplace=True)
+    assert graph.has_edge("amp_compiler.convert_model", "amp_compiler.dynamo.compile")   # convert(inplace=True)
     assert graph.has_edge("amp_compiler.dynamo.backend", "amp_compiler.graph_conversion")
     assert graph.has_edge("amp_compiler.insight.report", "amp_compiler.converted")
     assert not nx.has_path(graph, "amp_compiler.insight.report", "amp_compiler.dynamo.compile")   # the seam

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from amp_compiler.train.bad_steps import BAD_STEP_MAX, BadStepLimit
 from amp_compiler.config import make_config
-from amp_compiler.convert import convert
+from amp_compiler.convert_model import convert
 from amp_compiler.train.joint_graph import DATA_DEPENDENT, EagerStep, JointGraph, eager_step, trace_joint_graph
 from amp_compiler.train.low_weights import LowWeights
 from amp_compiler.train.loss_scale import FixedLossScaleManager, LossScaleManager, default_loss_scale_manager
