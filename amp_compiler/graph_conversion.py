@@ -20,6 +20,7 @@ from amp_compiler.config import AmpConfig, with_model_lists
 from amp_compiler.frozen import freeze as freeze_weights
 from amp_compiler.frontend import CapturedGraph, capture, graph_module_to_compile
 from amp_compiler.frontend.hooks import hook_fates, user_hooks_silenced
+from amp_compiler.frontend.fx_capture import keep_output_type_when_saved
 from amp_compiler.frontend.training_reads import READS, follow_training_flags
 from amp_compiler.passes.fx.fold_casts import count_casts
 from amp_compiler.passes.pipelines import run_fx_pipeline
@@ -64,6 +65,7 @@ def compile_graph(captured: CapturedGraph, config: AmpConfig, calibration_data=N
         "hooks": hook_fates(gm, captured.hooked, captured.frontend), "training_reads": dict(captured.training_reads),
     }
     preserve_decisions(gm)   # explain/render/compare keep working after torch.save / torch.load
+    keep_output_type_when_saved(gm)   # a ModelOutput stays one after torch.save / torch.load
     if captured.training_reads and follow_flags:   # `if self.training:` was decided at capture: a call in another mode captures again
         gm.__dict__[READS] = dict(captured.training_reads)
         follow_training_flags(gm, model, convert_again or (lambda copy, **given: compile_graph(

@@ -212,6 +212,30 @@ def restore_output_type(graph: fx.Graph, spec) -> bool:
     return True
 
 
+def keep_output_type_when_saved(gm: fx.GraphModule) -> None:
+    """torch.save / torch.load of `gm` returns the model's own container too (its class is gm's alone: fx gives
+    every GraphModule a class of its own)."""
+    if isinstance(gm.graph._codegen, _OwnOutputCodeGen):
+        type(gm).__reduce__ = saved_with_output_type
+
+
+def saved_with_output_type(gm: fx.GraphModule) -> tuple:
+    """fx's __reduce__, and, when gm returns its model's own container, that container restored once loaded: fx
+    rebuilds a loaded GraphModule by tracing its saved code, which turns a ModelOutput into a plain dict."""
+    rebuild, arguments = fx.GraphModule.__reduce__(gm)
+    if not isinstance(gm.graph._codegen, _OwnOutputCodeGen):
+        return rebuild, arguments
+    return _loaded_with_output_type, (rebuild, arguments, gm.graph._codegen.pytree_info.out_spec)
+
+
+def _loaded_with_output_type(rebuild, arguments, spec) -> fx.GraphModule:
+    gm = rebuild(*arguments)
+    if restore_output_type(gm.graph, spec):
+        gm.recompile()
+        keep_output_type_when_saved(gm)   # saved again, it keeps it again
+    return gm
+
+
 class _OwnOutputCodeGen(fx.graph._PyTreeCodeGen):
     """Unflattens the outputs into the model's container; the inputs are the forward's own, defaults kept.
     fx's pytree codegen writes a forward with defaults as `x, mask = None, = tree_flatten_spec(...)`: a

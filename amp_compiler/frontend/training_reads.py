@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from amp_compiler.frontend.errors import TracingError
+from amp_compiler.frontend.fx_capture import saved_with_output_type
 from amp_compiler.frontend.module_tree import share_module_tree, unwrap_compiled
 from amp_compiler.saved_decisions import SAVED_ATTRIBUTE
 
@@ -135,7 +136,7 @@ def _deepcopy_following_flags(self, memo):
 def _reduce_refusing_other_flags(self):
     # torch.save keeps the generated code of the current mode only, and no model to capture the other from:
     # the loaded module refuses a call with other flags instead of running this mode's graph silently.
-    rebuild, arguments = fx.GraphModule.__reduce__(self)
+    rebuild, arguments = saved_with_output_type(self)   # fx's, keeping the model's output container
     return _loaded_refusing_other_flags, (rebuild, arguments)
 
 

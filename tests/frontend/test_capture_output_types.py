@@ -1,5 +1,6 @@
 """The fx front end returns the model's own output container when the forward takes *args or **kwargs too
-(transformers' models take **kwargs): it returned a plain dict there, so `out.logits` raised."""
+(transformers' models take **kwargs; it returned a plain dict there, so `out.logits` raised), and after
+torch.save / torch.load (fx rebuilds a loaded module by tracing its saved code)."""
 import collections
 
 import pytest
@@ -44,3 +45,20 @@ def test_keywords_still_reach_a_forward_with_kwargs():
     gm = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,))
     assert type(gm(x=x)) is ImageClassifierOutputWithNoAttention
     assert type(gm(x, output_attentions=False)) is ImageClassifierOutputWithNoAttention
+
+
+class Plain(WithKwargs):
+    def forward(self, x):
+        return ImageClassifierOutputWithNoAttention(logits=self.fc(x))
+
+
+@pytest.mark.parametrize("model_class", [Plain, WithKwargs])
+def test_a_model_output_survives_torch_save_and_load(model_class, tmp_path):
+    """fx rebuilds a loaded GraphModule by tracing its saved code, which turned the ModelOutput into a dict."""
+    model, x = model_class().eval(), torch.randn(2, 8)
+    gm = amp_compiler.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,))
+    expected = gm(x).logits
+    torch.save(gm, tmp_path / "gm.pt")
+    out = torch.load(tmp_path / "gm.pt", weights_only=False)(x)
+    assert type(out) is ImageClassifierOutputWithNoAttention
+    assert torch.equal(out.logits, expected)
