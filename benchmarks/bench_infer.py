@@ -165,7 +165,7 @@ def tables(args, cases, names) -> None:
                      *([f"{row['frozen+compile'] / row['autocast+compile']:.2f}"] if args.compile else []),
                      f"{c['ours']}/{c['frozen']}/{c['autocast']}",
                      f"{row['frozen_bytes'] / 1e6:.2f}/{row['fp32_bytes'] / 1e6:.2f}"])
-        print("  ".join(rows[-1]), flush=True)
+        print("  ".join(rows[-1]), file=sys.stderr, flush=True)   # progress; stdout is the table
     table(f"inference ms per call, bf16, CPU, {args.threads} thread(s), {args.size} zoo, median of {args.repeats} "
           "alternated runs", ["model", *names, "ours/ac", "frozen/ac",
                               *(["frozen+c/ac+c"] if args.compile else []), "casts ours/frozen/ac",
@@ -177,7 +177,7 @@ def tables(args, cases, names) -> None:
         ms = train_step(*make(), args.repeats)
         train_rows.append([name, *(f"{ms[k]:.2f}" for k in ms), f"{ms['ours'] / ms['autocast']:.2f}",
                            f"{ms['ours+compile'] / ms['autocast+compile']:.2f}"])
-        print("  ".join(train_rows[-1]), flush=True)
+        print("  ".join(train_rows[-1]), file=sys.stderr, flush=True)
     table(f"train step (forward + backward) ms, bf16, CPU, {args.threads} thread(s), median of {args.repeats}",
           ["model", "autocast", "ours", "autocast+compile", "ours+compile", "ours/ac", "ours+c/ac+c"], train_rows)
 
